@@ -1,0 +1,1 @@
+"""dflash2_numba: lossless speculative decoding with DFlash / DFlash2 drafts in numpy + numba."""

@@ -1,0 +1,108 @@
+"""Typed refusals. Every error names the file / key / tensor, the expected and the actual value.
+
+Hierarchy (catch `DFlashError` for "anything this package refused"):
+
+    DFlashError
+      CheckpointError                  files on disk
+        CheckpointNotFoundError        missing directory or file          (also a FileNotFoundError)
+        GGUFNotSupportedError          a .gguf file was given
+        CorruptHeaderError             truncated / unparsable safetensors header
+        DataOffsetError                tensor data offsets outside the file
+        UnknownDTypeError              dtype we do not read
+        MissingTensorsError            required tensors absent (lists them)
+        UnexpectedTensorsError         tensors we do not know (lists them)
+        TensorShapeError               tensor, expected shape, actual shape
+      ConfigError                      config.json content
+        UnknownArchitectureError
+        AttentionSinkBiasError         attention_sink_bias: true (no sink path here)
+        IsCausalTypeError              is_causal that is not a JSON bool
+        UnsupportedConfigError         a feature we would silently get wrong (rope_scaling, biases, ...)
+        PairingError                   draft and target disagree (names both values)
+      SelectorRefusedError             DFlash2 selector cannot run faithfully (raised at the selector)
+      ChatTemplateMissingError         --chat on a model without a chat template
+      DeviceUnavailableError           --device cuda with no CUDA device
+      GenerationArgumentError          bad sampling / length arguments
+"""
+
+
+class DFlashError(Exception):
+    """Base class of every refusal raised by dflash2_numba."""
+
+
+# ---------------------------------------------------------------- checkpoint files
+class CheckpointError(DFlashError):
+    pass
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    pass
+
+
+class GGUFNotSupportedError(CheckpointError):
+    pass
+
+
+class CorruptHeaderError(CheckpointError):
+    pass
+
+
+class DataOffsetError(CheckpointError):
+    pass
+
+
+class UnknownDTypeError(CheckpointError):
+    pass
+
+
+class MissingTensorsError(CheckpointError):
+    pass
+
+
+class UnexpectedTensorsError(CheckpointError):
+    pass
+
+
+class TensorShapeError(CheckpointError):
+    pass
+
+
+# ---------------------------------------------------------------- config content
+class ConfigError(DFlashError):
+    pass
+
+
+class UnknownArchitectureError(ConfigError):
+    pass
+
+
+class AttentionSinkBiasError(ConfigError):
+    pass
+
+
+class IsCausalTypeError(ConfigError):
+    pass
+
+
+class UnsupportedConfigError(ConfigError):
+    pass
+
+
+class PairingError(ConfigError):
+    pass
+
+
+# ---------------------------------------------------------------- run time
+class SelectorRefusedError(DFlashError):
+    pass
+
+
+class ChatTemplateMissingError(DFlashError):
+    pass
+
+
+class DeviceUnavailableError(DFlashError):
+    pass
+
+
+class GenerationArgumentError(DFlashError, ValueError):
+    pass

@@ -1,0 +1,106 @@
+"""bf16 helpers and the dtype policy (DESIGN §6).
+
+bf16 is carried as `np.uint16` everywhere (numba rejects ml_dtypes.bfloat16). The scalar
+helpers below are `@njit(inline="always")` so that CPU kernels and CUDA kernels (which can
+call njit functions as device functions) share ONE definition of the rounding.
+
+    bf16_to_f32(u16)  -> float32       exact (bf16 is the top half of an f32)
+    f32_to_bf16(f32)  -> uint16        round-to-nearest-even, NaN stays NaN (quiet)
+    round_bf16(f32)   -> float32       rnd(x) of DESIGN: f32 -> bf16 -> f32
+
+Vectorised numpy versions (`*_array`) serve the numpy reference paths and the loaders.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+# Run modes: "f32" computes in float32 from bf16 weights (default); "bf16" rounds
+# activations to bf16 at every op boundary, as eager PyTorch does.
+DTYPE_MODES = ("f32", "bf16")
+
+
+# ------------------------------------------------------------------ bit casts (LLVM bitcast)
+@intrinsic
+def _f32_as_u32(typingctx, x):
+    """Reinterpret float32 bits as uint32 (no conversion)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _u32_as_f32(typingctx, x):
+    """Reinterpret the low 32 bits of an integer as float32 (no conversion).
+
+    Accepts any integer type: numba promotes `uint32 << uint32` to 64 bits."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if x.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        elif x.bitwidth < 32:
+            v = builder.zext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+# ------------------------------------------------------------------ scalar helpers
+@njit(inline="always")
+def bf16_to_f32(u):
+    """uint16 bf16 bits -> float32 (exact)."""
+    return _u32_as_f32(np.uint32(u) << np.uint32(16))
+
+
+@njit(inline="always")
+def f32_to_bf16(x):
+    """float32 -> uint16 bf16 bits, round to nearest even; NaN -> quiet NaN."""
+    bits = _f32_as_u32(np.float32(x))
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: keep sign, force quiet
+        return np.uint16((bits >> np.uint32(16)) | np.uint32(0x0040))
+    lsb = (bits >> np.uint32(16)) & np.uint32(1)
+    bits = bits + np.uint32(0x7FFF) + lsb
+    return np.uint16(bits >> np.uint32(16))
+
+
+@njit(inline="always")
+def round_bf16(x):
+    """rnd(x): float32 rounded to the nearest bf16 value, returned as float32."""
+    return bf16_to_f32(f32_to_bf16(x))
+
+
+# ------------------------------------------------------------------ numpy array versions
+def bf16_to_f32_array(a: np.ndarray) -> np.ndarray:
+    """uint16 [...] -> float32 [...] (new array)."""
+    a = np.ascontiguousarray(a, dtype=np.uint16)
+    return (a.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16_array(x: np.ndarray) -> np.ndarray:
+    """float32 [...] -> uint16 [...] bf16 bits, round to nearest even, NaN kept quiet."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    quiet_nan = ((bits >> 16) | 0x0040).astype(np.uint16)
+    return np.where(nan, quiet_nan, rounded)
+
+
+def round_bf16_array(x: np.ndarray) -> np.ndarray:
+    """rnd(x) elementwise: float32 -> nearest bf16 value, as float32."""
+    return bf16_to_f32_array(f32_to_bf16_array(x))
+
+
+def as_f32(t: np.ndarray) -> np.ndarray:
+    """A weight or activation as float32: uint16 is read as bf16 bits, others are cast."""
+    if t.dtype == np.uint16:
+        return bf16_to_f32_array(t)
+    return np.asarray(t, dtype=np.float32)
