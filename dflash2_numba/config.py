@@ -1,0 +1,358 @@
+"""Config resolution for targets and drafts (DESIGN §2).
+
+Field names follow the Hugging Face keys. Every refusal names the file, the key, the expected
+and the actual value. Resolution is pure: `resolve_*` take the parsed JSON dict; `load_*` read
+the directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import (
+    AttentionSinkBiasError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptHeaderError,
+    GGUFNotSupportedError,
+    IsCausalTypeError,
+    PairingError,
+    UnknownArchitectureError,
+    UnsupportedConfigError,
+)
+
+TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+DEFAULT_ROPE_THETA = 1e6
+
+
+# ---------------------------------------------------------------- reading config.json
+def refuse_gguf(path: Path) -> None:
+    """There is no GGUF path here: say so, name the file."""
+    path = Path(path)
+    ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if ggufs and not (path.is_dir() and (path / "config.json").exists()):
+        raise GGUFNotSupportedError(
+            f"{ggufs[0]}: GGUF checkpoints are not supported (no GGUF path here); "
+            "give a Hugging Face directory with config.json and *.safetensors"
+        )
+
+
+def read_config_json(model_dir: str | Path) -> tuple[Path, dict]:
+    """-> (path of config.json, parsed dict). Typed errors for missing dir/file, GGUF, bad JSON."""
+    model_dir = Path(model_dir)
+    refuse_gguf(model_dir)
+    if not model_dir.exists():
+        raise CheckpointNotFoundError(f"{model_dir}: directory does not exist")
+    if not model_dir.is_dir():
+        raise CheckpointNotFoundError(f"{model_dir}: expected a model directory, got a file")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path}: config.json not found in {model_dir}")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptHeaderError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return path, raw
+
+
+def _require(raw: dict, key: str, source: str):
+    if key not in raw or raw[key] is None:
+        raise ConfigError(f"{source}: required key '{key}' is missing")
+    return raw[key]
+
+
+def _eos_list(value) -> list[int]:
+    """eos_token_id may be an int, a list of ints, or absent."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _rope_theta(raw: dict) -> float:
+    """Flat `rope_theta` wins; nested `rope_parameters.rope_theta` is the fallback."""
+    if raw.get("rope_theta") is not None:
+        return float(raw["rope_theta"])
+    nested = raw.get("rope_parameters") or {}
+    if nested.get("rope_theta") is not None:
+        return float(nested["rope_theta"])
+    return DEFAULT_ROPE_THETA
+
+
+def _refuse_rope_scaling(raw: dict, source: str) -> None:
+    """Only plain RoPE is implemented; anything else would be silently wrong."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = raw.get(key)
+        if params:
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind not in (None, "default"):
+                raise UnsupportedConfigError(
+                    f"{source}: {key}.rope_type = {kind!r} is not supported (only 'default' RoPE)"
+                )
+
+
+# ---------------------------------------------------------------- target
+@dataclass(frozen=True)
+class TargetConfig:
+    architecture: str  # architectures[0]
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_id: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    source: str = "config.json"
+
+    @property
+    def has_qk_norm(self) -> bool:  # Qwen3 normalises per head before RoPE; Llama does not
+        return self.architecture == "Qwen3ForCausalLM"
+
+
+def resolve_target_config(raw: dict, source: str = "config.json") -> TargetConfig:
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in TARGET_ARCHITECTURES:
+        raise UnknownArchitectureError(
+            f"{source}: architectures[0] = {arch!r}; supported targets: {', '.join(TARGET_ARCHITECTURES)}"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise UnsupportedConfigError(f"{source}: {key} = true is not supported (no bias path)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedConfigError(f"{source}: hidden_act = {raw['hidden_act']!r}; only 'silu'")
+    _refuse_rope_scaling(raw, source)
+    H = int(_require(raw, "hidden_size", source))
+    nh = int(_require(raw, "num_attention_heads", source))
+    return TargetConfig(
+        architecture=arch,
+        model_type=raw.get("model_type", ""),
+        hidden_size=H,
+        intermediate_size=int(_require(raw, "intermediate_size", source)),
+        num_hidden_layers=int(_require(raw, "num_hidden_layers", source)),
+        num_attention_heads=nh,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or nh),
+        head_dim=int(raw.get("head_dim") or H // nh),
+        vocab_size=int(_require(raw, "vocab_size", source)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        eos_token_id=_eos_list(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+        source=source,
+    )
+
+
+def load_target_config(model_dir: str | Path) -> TargetConfig:
+    path, raw = read_config_json(model_dir)
+    return resolve_target_config(raw, source=str(path))
+
+
+# ---------------------------------------------------------------- draft
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DESIGN §2.2: [L//2] for one draft layer, else round(1 + i*(L-4)/(n-1)) (half-even)."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    architecture: str  # "DFlashDraftModel" | "DFlash2DraftModel"
+    kind: str  # "dflash" | "dflash2"
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int  # B, the trained block size (runtime Q may be smaller)
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    layer_types: list[str] | None
+    sliding_window: int | None
+    layer_causal: list[bool]  # per layer: key s visible from query q only if s <= q
+    layer_window: list[int | None]  # per layer: symmetric window W (|q-s| <= W-1) or None = full
+    vocab_size: int | None
+    # DFlash2 only (None for v1)
+    conv_kernel_size: int | None = None  # taps
+    conv_group_size: int | None = None  # S
+    selector_rank: int | None = None  # r
+    selector_top_k: int | None = None  # K
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None  # None = disabled
+    source: str = "config.json"
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def conv_groups(self) -> int:  # G = H / S
+        return self.hidden_size // self.conv_group_size
+
+
+def _first(*candidates):
+    """First value that is not None (first hit wins)."""
+    for value in candidates:
+        if value is not None:
+            return value
+    return None
+
+
+def _layer_causality(raw: dict, dc: dict, n_layers: int, layer_types, source: str) -> list[bool]:
+    """`is_causal` (JSON bool only), then `dflash_config.causal`, else the legacy rule."""
+    value = raw.get("is_causal")
+    if value is None:
+        value = dc.get("causal")
+        key = "dflash_config.causal"
+    else:
+        key = "is_causal"
+    if value is not None:
+        if isinstance(value, list):
+            if not all(isinstance(v, bool) for v in value) or len(value) != n_layers:
+                raise IsCausalTypeError(
+                    f"{source}: {key} must be a JSON bool or {n_layers} bools, got {value!r}"
+                )
+            return list(value)
+        if not isinstance(value, bool):
+            raise IsCausalTypeError(
+                f"{source}: {key} must be a JSON bool (true/false), got {type(value).__name__} {value!r}"
+            )
+        return [value] * n_layers
+    if layer_types is None:
+        return [False] * n_layers
+    return [t == "sliding_attention" for t in layer_types]
+
+
+def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: str = "config.json") -> DraftConfig:
+    """DESIGN §2.2 table. `target` supplies num_target_layers / vocab when the draft omits them."""
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in DRAFT_ARCHITECTURES:
+        raise UnknownArchitectureError(
+            f"{source}: architectures[0] = {arch!r}; supported drafts: {', '.join(DRAFT_ARCHITECTURES)}"
+        )
+    kind = DRAFT_ARCHITECTURES[arch]
+    dc = raw.get("dflash_config") or {}
+    if not isinstance(dc, dict):
+        raise ConfigError(f"{source}: dflash_config must be an object, got {type(dc).__name__}")
+    if dc.get("attention_sink_bias", raw.get("attention_sink_bias", False)) is True:
+        raise AttentionSinkBiasError(
+            f"{source}: dflash_config.attention_sink_bias = true is refused: this decoder has no "
+            "attention-sink path and would compute a different attention"
+        )
+    _refuse_rope_scaling(raw, source)
+
+    block_size = _first(dc.get("block_size"), raw.get("block_size"))
+    if block_size is None:
+        raise ConfigError(f"{source}: block_size missing (looked in dflash_config.block_size, block_size)")
+    mask_token_id = _first(dc.get("mask_token_id"), raw.get("mask_token_id"))
+    if mask_token_id is None:
+        raise ConfigError(f"{source}: mask_token_id missing (looked in dflash_config.mask_token_id, mask_token_id)")
+
+    H = int(_require(raw, "hidden_size", source))
+    nh = int(_require(raw, "num_attention_heads", source))
+    n_layers = int(_require(raw, "num_hidden_layers", source))
+    num_target_layers = _first(
+        raw.get("num_target_layers"), dc.get("num_target_layers"), target.num_hidden_layers if target else None
+    )
+    if num_target_layers is None:
+        raise ConfigError(f"{source}: num_target_layers unknown and no target given")
+    tap_ids = _first(dc.get("target_layer_ids"), raw.get("target_layer_ids"))
+    if tap_ids is None:
+        tap_ids = build_target_layer_ids(int(num_target_layers), n_layers)
+
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != n_layers:
+            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries, expected {n_layers}")
+        for t in layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                raise ConfigError(f"{source}: layer_types entry {t!r} is not full_attention/sliding_attention")
+        sliding = [t == "sliding_attention" for t in layer_types]
+    else:
+        sliding = [bool(dc.get("use_swa", False))] * n_layers
+    window = _first(dc.get("swa_window_size"), raw.get("sliding_window"))
+    if any(sliding) and window is None:
+        raise ConfigError(f"{source}: a layer slides but no window (dflash_config.swa_window_size, sliding_window)")
+    layer_window = [int(window) if s else None for s in sliding]
+    layer_causal = _layer_causality(raw, dc, n_layers, layer_types, source)
+
+    v2: dict = {}
+    if kind == "dflash2":
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if dc.get(key) is None:
+                raise ConfigError(f"{source}: dflash_config.{key} is required for DFlash2DraftModel")
+            v2[key] = int(dc[key])
+        if H % v2["conv_group_size"]:
+            raise ConfigError(
+                f"{source}: conv_group_size {v2['conv_group_size']} does not divide hidden_size {H}"
+            )
+    cap = dc.get("final_logit_softcapping")
+    cap = float(cap) if cap is not None and float(cap) > 0 else None
+
+    return DraftConfig(
+        architecture=arch,
+        kind=kind,
+        hidden_size=H,
+        intermediate_size=int(_require(raw, "intermediate_size", source)),
+        num_hidden_layers=n_layers,
+        num_attention_heads=nh,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or nh),
+        head_dim=int(raw.get("head_dim") or H // nh),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(raw),
+        block_size=int(block_size),
+        mask_token_id=int(mask_token_id),
+        target_layer_ids=[int(i) for i in tap_ids],
+        num_target_layers=int(num_target_layers),
+        layer_types=list(layer_types) if layer_types is not None else None,
+        sliding_window=int(window) if window is not None else None,
+        layer_causal=layer_causal,
+        layer_window=layer_window,
+        vocab_size=raw.get("vocab_size"),
+        input_embedding_scale=float(dc.get("input_embedding_scale", 1.0)),
+        output_multiplier=float(dc.get("output_multiplier", 1.0)),
+        final_logit_softcapping=cap,
+        source=source,
+        **v2,
+    )
+
+
+def load_draft_config(draft_dir: str | Path, target: TargetConfig | None = None) -> DraftConfig:
+    path, raw = read_config_json(draft_dir)
+    return resolve_draft_config(raw, target, source=str(path))
+
+
+def check_pairing(draft: DraftConfig, target: TargetConfig) -> None:
+    """Refuse a draft that cannot read this target's states (names both values)."""
+    where = f"{draft.source} vs {target.source}"
+    if draft.hidden_size != target.hidden_size:
+        raise PairingError(f"{where}: draft hidden_size {draft.hidden_size} != target hidden_size {target.hidden_size}")
+    bad = [i for i in draft.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        raise PairingError(
+            f"{where}: target_layer_ids {bad} out of range for a target with {target.num_hidden_layers} layers"
+        )
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        raise PairingError(f"{where}: mask_token_id {draft.mask_token_id} not < target vocab_size {target.vocab_size}")
