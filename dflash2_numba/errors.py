@@ -22,6 +22,8 @@ Hierarchy (catch `DFlashError` for "anything this package refused"):
       ChatTemplateMissingError         --chat on a model without a chat template
       DeviceUnavailableError           --device cuda with no CUDA device
       GenerationArgumentError          bad sampling / length arguments
+      KernelArgumentError              kernel called with shapes / sizes it cannot honour  (also a ValueError)
+      KernelDTypeError                 kernel called with a dtype mix it does not implement (also a TypeError)
 """
 
 
@@ -106,3 +108,12 @@ class DeviceUnavailableError(DFlashError):
 
 class GenerationArgumentError(DFlashError, ValueError):
     pass
+
+
+# ---------------------------------------------------------------- kernel calls
+class KernelArgumentError(DFlashError, ValueError):
+    """A kernel got shapes / sizes it cannot honour (names the argument, expected, actual)."""
+
+
+class KernelDTypeError(DFlashError, TypeError):
+    """A kernel got a dtype combination it does not implement (names every argument's dtype)."""
