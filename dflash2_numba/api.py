@@ -1,0 +1,66 @@
+"""The public entry points (DESIGN §9): load a (target, draft) pair, then stream.
+
+    target = load_target("models/Qwen3-8B")                 # TargetModel + target.tokenizer
+    draft  = load_draft("models/Qwen3-8B-DFlash-b16", target) # v1 or v2, decided by config.json
+    for step in stream_generate(target, draft, "prompt", max_new_tokens=256): ...
+    result = generate(target, None, "prompt")                # draft=None: target-only
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import DRAFT_ARCHITECTURES, read_config_json
+from .errors import DeviceUnavailableError, GenerationArgumentError, UnknownArchitectureError
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("f32", "bf16")
+
+
+def load_target(model_dir, device: str = "cpu", dtype: str = "f32"):
+    """A Hugging Face Qwen3 / Llama directory -> TargetModel with `.tokenizer` attached."""
+    if device not in DEVICES:
+        raise GenerationArgumentError(f"device must be one of {DEVICES}, got {device!r}")
+    if dtype not in DTYPES:
+        raise GenerationArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if device == "cuda":
+        _require_cuda()
+    from .models.target import TargetModel  # lazy: importing compiles nothing, but keeps
+    from .tokenizer import Tokenizer        # `import dflash2_numba` cheap
+
+    target = TargetModel.load(model_dir, device=device, dtype=dtype)
+    tok = Tokenizer.from_dir(model_dir)
+    target.tokenizer = tok
+    if hasattr(target, "set_valid_vocab"):  # ids >= the tokenizer's size are padding (§2.1)
+        target.set_valid_vocab(min(tok.vocab_size, target.config.vocab_size))
+    elif getattr(target, "valid_vocab", None) is None:
+        target.valid_vocab = min(tok.vocab_size, target.config.vocab_size)
+    return target
+
+
+def _require_cuda() -> None:
+    try:
+        from numba import cuda
+        ok = cuda.is_available()
+    except Exception:  # numba-cuda missing or broken driver: same answer for the user
+        ok = False
+    if not ok:
+        raise DeviceUnavailableError("--device cuda: no CUDA device is available (numba.cuda.is_available() is False)")
+
+
+def draft_kind(draft_dir) -> str:
+    """"dflash" | "dflash2" from config.json architectures[0] (typed error otherwise)."""
+    path, raw = read_config_json(draft_dir)
+    arch = (raw.get("architectures") or [None])[0]
+    if arch not in DRAFT_ARCHITECTURES:
+        raise UnknownArchitectureError(
+            f"{path}: architectures[0] = {arch!r}; supported drafts: {', '.join(DRAFT_ARCHITECTURES)}")
+    return DRAFT_ARCHITECTURES[arch]
+
+
+def load_draft(draft_dir, target):
+    """A DFlash (v1) or DFlash2 draft directory, paired with a loaded target."""
+    kind = draft_kind(draft_dir)
+    from .models import draft as draft_models  # lazy: the model module is heavy
+
+    return draft_models.load_draft(Path(draft_dir), target, kind=kind)

@@ -1,0 +1,238 @@
+"""`dflash2-decode`: a thin click shell over the public API (DESIGN §9).
+
+    dflash2-decode generate [--target DIR] [--draft DIR] (--prompt T | --prompt-file P | --prompt-ids 1,2)
+    dflash2-decode propose  [--target DIR] [--draft DIR] (prompt options) [--block-size Q] [--json PATH|-]
+    dflash2-decode inspect  DIR [--json PATH|-]
+
+Streams: `generate` writes the generated text to stdout as it is produced and the statistics
+block to stderr. With `--json -` the JSON object goes to stdout INSTEAD of the streamed text
+(so stdout stays parseable; the text is inside the object); with `--json PATH` the text still
+streams and the object is written to PATH.
+
+Without `--target`, the embedded default pair is used (see default.py), draft included unless
+`--draft` names another. With `--target` and no `--draft`, decoding is target-only.
+
+Errors: every refusal of this package (DFlashError) prints ONE line
+`error: ClassName: message` on stderr and exits with code 2 (click's own usage errors also exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import DFlashError, GenerationArgumentError
+
+
+class _Group(click.Group):
+    """Turns every DFlashError into one stderr line and exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DFlashError as e:
+            msg = " ".join(str(e).split())  # one line, whatever the message held
+            click.echo(f"error: {type(e).__name__}: {msg}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="dflash2-numba")
+def main():
+    """Lossless speculative decoding with DFlash / DFlash2 drafts (numpy + numba)."""
+
+
+# ---------------------------------------------------------------- shared options
+def _prompt_options(f):
+    f = click.option("--chat/--no-chat", default=False, show_default=True,
+                     help="Render the prompt with the target's chat template (thinking off).")(f)
+    f = click.option("--prompt-ids", default=None, help="Comma-separated prompt token ids, e.g. 1,2,3.")(f)
+    f = click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+                     help="Read the prompt text from a UTF-8 file.")(f)
+    f = click.option("--prompt", default=None, help="Prompt text.")(f)
+    return f
+
+
+def _model_options(f):
+    f = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)(f)
+    f = click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+                     help="f32: compute in float32 from bf16 weights; bf16: round activations like eager PyTorch.")(f)
+    f = click.option("--draft", "draft_dir", type=click.Path(), default=None,
+                     help="DFlash / DFlash2 draft directory (omit for target-only decoding).")(f)
+    f = click.option("--target", "target_dir", type=click.Path(), default=None,
+                     help="Hugging Face target directory (default: the embedded default pair).")(f)
+    return f
+
+
+def _sampling_options(f):
+    f = click.option("--seed", type=int, default=None, help="RNG seed (sampling reproducibility).")(f)
+    f = click.option("--top-p", type=float, default=1.0, show_default=True)(f)
+    f = click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")(f)
+    f = click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")(f)
+    f = click.option("--block-size", type=int, default=None,
+                     help="Runtime rows per draft block Q (2..B; default: the draft's B).")(f)
+    return f
+
+
+def _read_prompt(prompt, prompt_file, prompt_ids):
+    given = [x is not None for x in (prompt, prompt_file, prompt_ids)]
+    if sum(given) != 1:
+        raise GenerationArgumentError("give exactly one of --prompt, --prompt-file, --prompt-ids")
+    if prompt_file is not None:
+        try:
+            return Path(prompt_file).read_text(encoding="utf-8"), None
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenerationArgumentError(f"--prompt-file {prompt_file}: cannot read ({e})") from e
+    if prompt_ids is not None:
+        try:
+            ids = [int(x) for x in prompt_ids.replace(" ", "").split(",") if x != ""]
+        except ValueError as e:
+            raise GenerationArgumentError(f"--prompt-ids {prompt_ids!r}: expected comma-separated integers") from e
+        return None, ids
+    return prompt, None
+
+
+def _load(target_dir, draft_dir, device, dtype, need_draft=False):
+    from . import api
+    from .default import default_pair
+
+    if target_dir is None:
+        target_dir, default_draft = default_pair()
+        draft_dir = draft_dir or default_draft
+    if need_draft and draft_dir is None:
+        raise GenerationArgumentError("this command needs a draft: pass --draft DIR")
+    target = api.load_target(target_dir, device=device, dtype=dtype)
+    draft = api.load_draft(draft_dir, target) if draft_dir is not None else None
+    return target_dir, draft_dir, target, draft
+
+
+def _write_json(obj, dest) -> None:
+    text = json.dumps(obj, indent=2, ensure_ascii=False)
+    if dest == "-":
+        click.echo(text)
+    else:
+        try:
+            Path(dest).write_text(text + "\n", encoding="utf-8")
+        except OSError as e:
+            raise GenerationArgumentError(f"--json {dest}: cannot write ({e})") from e
+
+
+# ---------------------------------------------------------------- generate
+@main.command()
+@_model_options
+@_prompt_options
+@_sampling_options
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--stop-token", "stop_tokens", type=int, multiple=True,
+              help="Extra stop id (repeatable); added to the model's eos ids.")
+@click.option("--baseline", is_flag=True, help="Also run target-only on the same prompt and report the speedup.")
+@click.option("--json", "json_dest", default=None, metavar="PATH|-",
+              help="Write the result object to PATH, or to stdout with '-' (then text is not streamed).")
+def generate(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_ids, chat,
+             block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
+             json_dest):
+    """Generate text; stream it to stdout, statistics to stderr."""
+    from .decode.loop import generate as run_generate, resolve_prompt_ids, stream_generate
+
+    prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
+    target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype)
+    ids = resolve_prompt_ids(target, prompt, ids, chat)
+    kwargs = dict(max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
+                  top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids)
+
+    if baseline:  # compile / warm both paths first so neither timing pays the JIT
+        warm = dict(kwargs, max_new_tokens=min(max_new_tokens, 2 * (draft.block_size if draft else 1) + 1))
+        run_generate(target, None, **dict(warm, block_size=None))
+        if draft is not None:
+            run_generate(target, draft, **warm)
+
+    out, parts, finish, stats = [], [], None, None
+    for step in stream_generate(target, draft, **kwargs):
+        out.extend(step.token_ids)
+        parts.append(step.text)
+        finish, stats = step.finish_reason, step.stats
+        if json_dest != "-" and step.text:
+            click.echo(step.text, nl=False)
+    if json_dest != "-":
+        click.echo("")
+
+    if baseline:
+        base = run_generate(target, None, **dict(kwargs, block_size=None))
+        stats.set_baseline(base.stats)
+        if temperature == 0.0 and base.output_ids != out:
+            i = next((j for j, (a, b) in enumerate(zip(base.output_ids, out)) if a != b),
+                     min(len(base.output_ids), len(out)))
+            click.echo(f"warning: greedy speculative output differs from target-only at token {i}", err=True)
+    click.echo(stats.format(), err=True)
+
+    if json_dest is not None:
+        s = stats.to_dict()
+        _write_json({
+            "target": str(target_dir), "draft": None if draft_dir is None else str(draft_dir),
+            "draft_kind": None if draft is None else draft.kind, "block_size": stats.block_size,
+            "prompt_ids": ids, "output_ids": out, "text": "".join(parts), "finish_reason": finish,
+            "stats": {k: s[k] for k in (
+                "steps", "tau", "acceptance_lengths", "acceptance_histogram",
+                "per_position_acceptance", "prefill_s", "draft_s", "verify_s", "decode_s",
+                "tokens_per_s", "baseline_tokens_per_s", "speedup")},
+        }, json_dest)
+
+
+# ---------------------------------------------------------------- propose
+@main.command()
+@_model_options
+@_prompt_options
+@_sampling_options
+@click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the proposal object to PATH or stdout ('-').")
+def propose(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_ids, chat,
+            block_size, temperature, top_k, top_p, seed, json_dest):
+    """One draft proposal round, stopping before verification."""
+    from .decode.loop import propose_once
+
+    prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
+    _, _, target, draft = _load(target_dir, draft_dir, device, dtype, need_draft=True)
+    res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, block_size=block_size,
+                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if json_dest is not None:
+        _write_json(res, json_dest)
+        if json_dest == "-":
+            return
+    tok = getattr(target, "tokenizer", None)
+    show = (lambda i: repr(tok.decode([i]))) if tok is not None else str
+    click.echo(f"draft kind {draft.kind}, prompt {len(res['prompt_ids'])} tokens, "
+               f"anchor {res['anchor']} {show(res['anchor'])} at position {res['anchor_position']}")
+    chosen = res.get("chosen_slots")
+    for j, (pos, d) in enumerate(zip(res["positions"], res["draft_ids"])):
+        line = f"  pos {pos}: draft {d} {show(d)}"
+        if chosen is not None:
+            line += f" (slot {chosen[j]})"
+        click.echo(line)
+        slot = (res.get("slots") or [None] * len(res["draft_ids"]))[j]
+        if slot:
+            cands = ", ".join(f"{c} {show(c)} {s:.3f}" for c, s in
+                              zip(slot["candidate_ids"], slot["candidate_scores"]))
+            click.echo(f"      candidates: {cands}")
+
+
+# ---------------------------------------------------------------- inspect
+@main.command()
+@click.argument("model_dir", type=click.Path())
+@click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the report to PATH or stdout ('-').")
+@click.option("--no-hash", is_flag=True, help="Skip the sha256 of the files.")
+def inspect(model_dir, json_dest, no_hash):
+    """Resolved config, architecture, tensor inventory and sha256 of a target or draft directory."""
+    from .inspect_model import format_inspect, inspect_model
+
+    report = inspect_model(model_dir, hash_files=not no_hash)
+    if json_dest is not None:
+        _write_json(report, json_dest)
+        if json_dest == "-":
+            return
+    click.echo(format_inspect(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

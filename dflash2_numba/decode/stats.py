@@ -1,0 +1,105 @@
+"""Decode statistics (DESIGN §5.3).
+
+Definitions (peers disagree, so here they are):
+- a step is one target verify forward after the prefill (autoregressive: one token per step);
+- acceptance length of a step = drafts accepted + 1 (the bonus / correction token), counted
+  before stop-token truncation; `tau` = its mean over steps;
+- acceptance_histogram[i] = number of steps whose acceptance length is i+1, for 1..Q;
+- per_position_acceptance[j] = among steps that offered a draft at slot j (0-based, i.e. a
+  block of more than j+1 rows), the fraction that accepted it;
+- prefill_s: the target prompt forward + first token; draft_s: drafter time (context extension
+  and proposals); verify_s: target verify forwards + acceptance; decode_s: wall time of all
+  steps (draft + verify + bookkeeping); tokens_per_s = generated tokens / (prefill_s + decode_s)
+  and decode_tokens_per_s = tokens after the first / decode_s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    block_size: int = 1  # runtime Q (1 = autoregressive)
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    block_rows: list[int] = field(default_factory=list)  # rows verified per step (Bv)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0
+    baseline_tokens_per_s: float | None = None
+    speedup: float | None = None
+
+    def record_step(self, rows: int, accepted: int) -> None:
+        self.steps += 1
+        self.block_rows.append(rows)
+        self.acceptance_lengths.append(accepted + 1)
+
+    @property
+    def tau(self) -> float:
+        n = len(self.acceptance_lengths)
+        return sum(self.acceptance_lengths) / n if n else 0.0
+
+    @property
+    def acceptance_histogram(self) -> list[int]:
+        hist = [0] * max(self.block_size, 1)
+        for a in self.acceptance_lengths:
+            hist[a - 1] += 1
+        return hist
+
+    @property
+    def per_position_acceptance(self) -> list[float | None]:
+        rates = []
+        for j in range(max(self.block_size - 1, 0)):
+            offered = [a for a, r in zip(self.acceptance_lengths, self.block_rows) if r > j + 1]
+            rates.append(sum(a > j + 1 for a in offered) / len(offered) if offered else None)
+        return rates
+
+    @property
+    def tokens_per_s(self) -> float:
+        t = self.prefill_s + self.decode_s
+        return self.new_tokens / t if t > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = self.new_tokens - 1  # the first token comes from the prefill
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+    def set_baseline(self, baseline: "DecodeStats") -> None:
+        self.baseline_tokens_per_s = baseline.tokens_per_s
+        self.speedup = (self.tokens_per_s / baseline.tokens_per_s
+                        if baseline.tokens_per_s > 0 else None)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tau=self.tau, acceptance_histogram=self.acceptance_histogram,
+                 per_position_acceptance=self.per_position_acceptance,
+                 tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def format(self) -> str:
+        """Readable multi-line block (the CLI prints it to stderr)."""
+        lines = [
+            f"tokens   {self.new_tokens} new ({self.prompt_tokens} prompt), {self.steps} steps, "
+            f"block Q={self.block_size}",
+            f"tau      {self.tau:.3f} (mean acceptance length, bonus included)",
+        ]
+        if self.block_size > 1:
+            lines.append("accept   histogram 1..Q: " + " ".join(map(str, self.acceptance_histogram)))
+            rates = " ".join("-" if r is None else f"{r:.2f}" for r in self.per_position_acceptance)
+            lines.append(f"         per position: {rates}")
+        lines.append(f"time     prefill {self.prefill_s:.3f}s  decode {self.decode_s:.3f}s "
+                     f"(draft {self.draft_s:.3f}s, verify {self.verify_s:.3f}s)")
+        lines.append(f"speed    {self.tokens_per_s:.1f} tok/s overall, "
+                     f"{self.decode_tokens_per_s:.1f} tok/s decode")
+        if self.baseline_tokens_per_s is not None:
+            sp = "n/a" if self.speedup is None else f"{self.speedup:.2f}x"
+            lines.append(f"baseline {self.baseline_tokens_per_s:.1f} tok/s autoregressive, speedup {sp}")
+        return "\n".join(lines)

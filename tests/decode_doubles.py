@@ -1,0 +1,142 @@
+"""Test doubles for the decode loop (used by test_speculative / test_sampling / test_generate).
+
+HashTarget: a genuinely causal "language model" with the TargetModel interface whose
+logits and taps at position t are a deterministic function of ids[0..t] (a rolling hash of the
+prefix seeds an RNG). No numba, microseconds per token, so the loop's bookkeeping can be swept
+exhaustively. A wrong crop / position / context changes the prefix hash and therefore every later
+logit, exactly like a real transformer KV cache bug would.
+
+RandomDrafter: proposes uniformly random tokens (greedy: reported one-hot; sampling: q uniform).
+TapCheckingDrafter: wraps a drafter and asserts that every context it receives equals the
+target's taps recomputed from scratch for the committed ids (catches taps of rejected rows,
+skipped or duplicated positions, the anchor's taps passed early).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from dflash2_numba.decode.drafter import Proposal, valid_vocab
+from dflash2_numba.decode.sampling import mask_padded
+
+_MOD = (1 << 61) - 1
+
+
+class HashCache:
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.hashes: list[int] = []  # prefix hash of ids[0..t] for every cached position t
+
+    @property
+    def length(self) -> int:
+        return len(self.hashes)
+
+    def crop(self, n: int) -> None:
+        assert 0 <= n <= len(self.hashes), (n, len(self.hashes))
+        del self.hashes[n:]
+
+
+class HashTarget:
+    def __init__(self, vocab_size=48, valid=44, hidden=4, n_layers=4, scale=3.0, seed=0):
+        self.config = SimpleNamespace(vocab_size=vocab_size, hidden_size=hidden,
+                                      num_hidden_layers=n_layers, eos_token_id=[])
+        self.valid_vocab = valid
+        self.tokenizer = None
+        self.scale, self.seed, self.hidden = scale, seed, hidden
+        self.forward_rows: list[int] = []  # rows per forward call (tests count verify passes)
+
+    def new_cache(self, max_len: int) -> HashCache:
+        return HashCache(max_len)
+
+    def _row(self, h: int, tap_layers):
+        rng = np.random.default_rng([self.seed, h & 0xFFFFFFFF, h >> 32])
+        logits = (self.scale * rng.standard_normal(self.config.vocab_size)).astype(np.float32)
+        taps = [rng.standard_normal(self.hidden).astype(np.float32) + l for l in tap_layers]
+        return logits, taps
+
+    def forward(self, ids, cache: HashCache, tap_layers=()):
+        ids = np.asarray(ids, np.int64)
+        assert ids.ndim == 1 and len(ids) >= 1
+        assert cache.length + len(ids) <= cache.max_len, "cache overflow"
+        self.forward_rows.append(len(ids))
+        h = cache.hashes[-1] if cache.hashes else 1469598103934665603 % _MOD
+        logits, taps = [], []
+        for t in ids:
+            h = (h * 1000003 + int(t) + 1) % _MOD
+            cache.hashes.append(h)
+            lg, tp = self._row(h, tap_layers)
+            logits.append(lg)
+            taps.append(np.concatenate(tp) if tap_layers else None)
+        return np.stack(logits), (np.stack(taps) if tap_layers else None)
+
+
+def greedy_reference(target, prompt_ids, n_new, stops=()):
+    """Manual argmax loop: one single-token forward per step (no draft, no loop code)."""
+    cache = target.new_cache(len(prompt_ids) + n_new + 1)
+    logits, _ = target.forward(np.asarray(prompt_ids, np.int64), cache)
+    out = []
+    while True:
+        t = int(np.argmax(mask_padded(logits[-1], valid_vocab(target))))
+        out.append(t)
+        if t in stops or len(out) == n_new:
+            return out
+        logits, _ = target.forward(np.array([t], np.int64), cache)
+
+
+class RandomDrafter:
+    kind = "random"
+    mask_token_id = -1
+
+    def __init__(self, target, block_size=8, seed=0, target_layer_ids=()):
+        self.block_size = block_size
+        self.target_layer_ids = list(target_layer_ids)
+        self.V = valid_vocab(target) or target.config.vocab_size
+        self.Vfull = target.config.vocab_size
+        self.rng = np.random.default_rng(seed)
+
+    def new_state(self, max_len):
+        return SimpleNamespace(length=0)
+
+    def extend_context(self, state, taps, start_pos, token_ids):
+        assert start_pos == state.length
+        state.length += len(token_ids)
+
+    def propose(self, state, anchor_id, anchor_pos, n_rows, sampling, rng):
+        assert anchor_pos == state.length
+        d = self.rng.integers(0, self.V, n_rows - 1)
+        q = None
+        if not sampling.greedy:
+            q = np.zeros((n_rows - 1, self.Vfull), np.float32)
+            q[:, :self.V] = 1.0 / self.V
+        return Proposal(d.astype(np.int64), q, {})
+
+
+class TapCheckingDrafter:
+    """Delegates to `inner`, checking each context chunk against a fresh prefill's taps."""
+
+    def __init__(self, inner, target, tap_layers=(0, 2), atol=0.0):
+        self.inner, self.target, self.atol = inner, target, atol
+        self.kind, self.block_size = inner.kind, inner.block_size
+        self.mask_token_id = inner.mask_token_id
+        self.target_layer_ids = list(tap_layers)
+        self.ids: list[int] = []
+        self.checked_rows = 0
+
+    def new_state(self, max_len):
+        return self.inner.new_state(max_len)
+
+    def extend_context(self, state, taps, start_pos, token_ids):
+        assert start_pos == len(self.ids), (start_pos, len(self.ids))
+        assert taps is not None and taps.shape[0] == len(token_ids), (None if taps is None else taps.shape)
+        self.ids.extend(int(t) for t in token_ids)
+        cache = self.target.new_cache(len(self.ids))
+        _, ref = self.target.forward(np.asarray(self.ids, np.int64), cache, tap_layers=tuple(self.target_layer_ids))
+        np.testing.assert_allclose(taps, ref[start_pos:], atol=self.atol, rtol=0)
+        self.checked_rows += len(token_ids)
+        self.inner.extend_context(state, None, start_pos, token_ids)
+
+    def propose(self, state, anchor_id, anchor_pos, n_rows, sampling, rng):
+        assert anchor_pos == len(self.ids)
+        return self.inner.propose(state, anchor_id, anchor_pos, n_rows, sampling, rng)
