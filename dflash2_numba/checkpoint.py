@@ -45,6 +45,10 @@ class TensorInfo:
     end: int
 
 
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one file's header. Nothing is mapped yet."""
     size = path.stat().st_size
@@ -53,8 +57,12 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if len(head) < 8:
             raise CorruptHeaderError(f"{path}: truncated: {size} bytes, no 8-byte header length")
         (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CorruptHeaderError(f"{path}: header length {n} exceeds the file size {size} (truncated or corrupt)")
+        if n > MAX_HEADER_BYTES:
+            raise CorruptHeaderError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt)")
+        if 8 + n > size:
+            raise CorruptHeaderError(
+                f"{path}: header length {n} + 8 exceeds the file size {size} (truncated or corrupt)"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -68,9 +76,15 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptHeaderError(f"{path}: tensor '{name}': malformed header entry {entry!r}") from e
+        # JSON ints only: a float or string here would make the byte arithmetic below lie
+        if not all(_is_count(v) for v in (*shape, begin, end)):
+            raise CorruptHeaderError(
+                f"{path}: tensor '{name}': shape {list(shape)} and data_offsets {[begin, end]} "
+                "must be non-negative integers"
+            )
         if dtype not in DTYPES:
             raise UnknownDTypeError(
                 f"{path}: tensor '{name}' has dtype {dtype!r}; readable dtypes: {', '.join(DTYPES)}"
@@ -122,17 +136,22 @@ class Checkpoint:
     def require(self, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] | set = ()) -> None:
         """Inventory check: every expected tensor present with its shape, nothing unknown.
 
-        `expected` maps name -> shape; names in `optional` may be absent."""
+        `expected` maps name -> shape; names in `optional` may be absent. An `ExpectedTensors`
+        (config.py) also carries its own tolerated names and per-tensor shape notes."""
+        optional = set(optional) | getattr(expected, "optional", set())
+        notes = getattr(expected, "notes", {})
         missing = sorted(n for n in expected if n not in self.tensors and n not in optional)
         if missing:
             raise MissingTensorsError(f"{self.directory}: missing {len(missing)} required tensor(s): {', '.join(missing)}")
-        extra = sorted(n for n in self.tensors if n not in expected)
+        extra = sorted(n for n in self.tensors if n not in expected and n not in optional)
         if extra:
             raise UnexpectedTensorsError(f"{self.directory}: {len(extra)} unexpected tensor(s): {', '.join(extra)}")
         for name, shape in expected.items():
             if name in self.tensors and self.tensors[name].shape != tuple(shape):
+                why = f" ({notes[name]})" if name in notes else ""
                 raise TensorShapeError(
-                    f"{self.directory}: tensor '{name}' has shape {list(self.tensors[name].shape)}, expected {list(shape)}"
+                    f"{self.tensors[name].file}: tensor '{name}' has shape {list(self.tensors[name].shape)}, "
+                    f"expected {list(shape)}{why}"
                 )
 
     def sha256(self) -> dict[str, str]:
@@ -147,14 +166,22 @@ class Checkpoint:
         return out
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    """`{"weight_map": {tensor: file}}` of a sharded checkpoint."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CorruptHeaderError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CorruptHeaderError(f"{index}: weight_map must map tensor names to file names")
+    return weight_map
+
+
 def _shard_files(directory: Path) -> list[Path]:
     """Files named by model.safetensors.index.json, or the single model file."""
     index = directory / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CorruptHeaderError(f"{index}: not a valid safetensors index ({e})") from e
+        weight_map = read_weight_map(index)
         files = [directory / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -173,12 +200,22 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
     """Read every header of a model directory (single file or sharded); map nothing yet."""
     directory = Path(directory)
     refuse_gguf(directory)
-    if not directory.is_dir():
+    if not directory.exists():
         raise CheckpointNotFoundError(f"{directory}: checkpoint directory does not exist")
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"{directory}: expected a model directory, got a file")
     tensors: dict[str, TensorInfo] = {}
     for path in _shard_files(directory):
         for name, info in read_header(path).items():
             if name in tensors:
                 raise CorruptHeaderError(f"{path}: tensor '{name}' also in {tensors[name].file}")
             tensors[name] = info
+    index = directory / INDEX_NAME
+    if index.is_file():
+        # the index is what loaders trust: every tensor it names must be in the shard it names
+        wrong = sorted(n for n, f in read_weight_map(index).items() if n not in tensors or tensors[n].file.name != f)
+        if wrong:
+            raise MissingTensorsError(
+                f"{index}: {len(wrong)} tensor(s) not found in the shard the index names: {', '.join(wrong)}"
+            )
     return Checkpoint(directory, tensors)

@@ -89,6 +89,8 @@ def _refuse_rope_scaling(raw: dict, source: str) -> None:
     """Only plain RoPE is implemented; anything else would be silently wrong."""
     for key in ("rope_scaling", "rope_parameters"):
         params = raw.get(key)
+        if params and not isinstance(params, dict):
+            raise ConfigError(f"{source}: {key} must be an object, got {type(params).__name__}")
         if params:
             kind = params.get("rope_type", params.get("type", "default"))
             if kind not in (None, "default"):
@@ -220,20 +222,13 @@ def _first(*candidates):
 
 
 def _layer_causality(raw: dict, dc: dict, n_layers: int, layer_types, source: str) -> list[bool]:
-    """`is_causal` (JSON bool only), then `dflash_config.causal`, else the legacy rule."""
-    value = raw.get("is_causal")
-    if value is None:
-        value = dc.get("causal")
-        key = "dflash_config.causal"
-    else:
-        key = "is_causal"
-    if value is not None:
-        if isinstance(value, list):
-            if not all(isinstance(v, bool) for v in value) or len(value) != n_layers:
-                raise IsCausalTypeError(
-                    f"{source}: {key} must be a JSON bool or {n_layers} bools, got {value!r}"
-                )
-            return list(value)
+    """`is_causal` (JSON bool only), then `dflash_config.causal`, else the legacy rule.
+
+    A string such as "false" is truthy in Python and would silently flip every layer to
+    causal, so anything that is not a JSON bool is refused by name."""
+    for key, value in (("is_causal", raw.get("is_causal")), ("dflash_config.causal", dc.get("causal"))):
+        if value is None:
+            continue
         if not isinstance(value, bool):
             raise IsCausalTypeError(
                 f"{source}: {key} must be a JSON bool (true/false), got {type(value).__name__} {value!r}"
@@ -256,16 +251,20 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
     dc = raw.get("dflash_config") or {}
     if not isinstance(dc, dict):
         raise ConfigError(f"{source}: dflash_config must be an object, got {type(dc).__name__}")
-    if dc.get("attention_sink_bias", raw.get("attention_sink_bias", False)) is True:
-        raise AttentionSinkBiasError(
-            f"{source}: dflash_config.attention_sink_bias = true is refused: this decoder has no "
-            "attention-sink path and would compute a different attention"
-        )
+    for key, sink in (("dflash_config.attention_sink_bias", dc.get("attention_sink_bias")),
+                      ("attention_sink_bias", raw.get("attention_sink_bias"))):
+        if sink is not None and sink is not False:
+            raise AttentionSinkBiasError(
+                f"{source}: {key} = {sink!r} is refused (expected false or absent): this decoder has "
+                "no attention-sink path and would compute a different attention"
+            )
     _refuse_rope_scaling(raw, source)
 
     block_size = _first(dc.get("block_size"), raw.get("block_size"))
     if block_size is None:
         raise ConfigError(f"{source}: block_size missing (looked in dflash_config.block_size, block_size)")
+    if int(block_size) < 2:
+        raise ConfigError(f"{source}: block_size = {block_size}, expected >= 2 (anchor + at least one mask)")
     mask_token_id = _first(dc.get("mask_token_id"), raw.get("mask_token_id"))
     if mask_token_id is None:
         raise ConfigError(f"{source}: mask_token_id missing (looked in dflash_config.mask_token_id, mask_token_id)")
@@ -284,6 +283,8 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
 
     layer_types = raw.get("layer_types")
     if layer_types is not None:
+        if not isinstance(layer_types, list):
+            raise ConfigError(f"{source}: layer_types must be a list, got {type(layer_types).__name__}")
         if len(layer_types) != n_layers:
             raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries, expected {n_layers}")
         for t in layer_types:
@@ -304,6 +305,8 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
             if dc.get(key) is None:
                 raise ConfigError(f"{source}: dflash_config.{key} is required for DFlash2DraftModel")
             v2[key] = int(dc[key])
+            if v2[key] < 1:
+                raise ConfigError(f"{source}: dflash_config.{key} = {v2[key]}, expected a positive integer")
         if H % v2["conv_group_size"]:
             raise ConfigError(
                 f"{source}: conv_group_size {v2['conv_group_size']} does not divide hidden_size {H}"
@@ -330,9 +333,9 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
         sliding_window=int(window) if window is not None else None,
         layer_causal=layer_causal,
         layer_window=layer_window,
-        vocab_size=raw.get("vocab_size"),
-        input_embedding_scale=float(dc.get("input_embedding_scale", 1.0)),
-        output_multiplier=float(dc.get("output_multiplier", 1.0)),
+        vocab_size=int(raw["vocab_size"]) if raw.get("vocab_size") is not None else None,
+        input_embedding_scale=float(_first(dc.get("input_embedding_scale"), 1.0)),
+        output_multiplier=float(_first(dc.get("output_multiplier"), 1.0)),
         final_logit_softcapping=cap,
         source=source,
         **v2,
@@ -356,3 +359,100 @@ def check_pairing(draft: DraftConfig, target: TargetConfig) -> None:
         )
     if not 0 <= draft.mask_token_id < target.vocab_size:
         raise PairingError(f"{where}: mask_token_id {draft.mask_token_id} not < target vocab_size {target.vocab_size}")
+
+
+# ---------------------------------------------------------------- tensor inventories (§2.1, §2.2)
+class ExpectedTensors(dict):
+    """name -> shape, plus what `Checkpoint.require` needs to explain itself.
+
+    `optional`: names tolerated in the file but not required (a redundant `lm_head.weight`
+    next to tied embeddings; selector tensors when the caller did not ask for them).
+    `notes`: name -> why the shape is what it is, appended to a TensorShapeError."""
+
+    def __init__(self, shapes=(), optional=(), notes=None):
+        super().__init__(shapes)
+        self.optional = set(optional)
+        self.notes = dict(notes or {})
+
+
+def expected_target_tensors(cfg: TargetConfig) -> ExpectedTensors:
+    """Every tensor of a Qwen3 / Llama target with its shape. `lm_head.weight` only when untied."""
+    H, I, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q_rows, H),
+            p + "self_attn.k_proj.weight": (kv_rows, H),
+            p + "self_attn.v_proj.weight": (kv_rows, H),
+            p + "self_attn.o_proj.weight": (H, q_rows),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        }
+        if cfg.has_qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    optional = ()
+    if cfg.tie_word_embeddings:
+        optional = ("lm_head.weight",)  # tied: the embedding is the head; a saved copy is harmless
+    else:
+        shapes["lm_head.weight"] = (V, H)
+    notes = {"model.embed_tokens.weight": f"[vocab_size, hidden_size] from {cfg.source}"}
+    return ExpectedTensors(shapes, optional, notes)
+
+
+def expected_draft_tensors(cfg: DraftConfig, vocab_size: int, include_selector: bool = True) -> ExpectedTensors:
+    """Every tensor of a DFlash v1 / DFlash2 draft (no `model.` prefix) with its shape.
+
+    `vocab_size` is the TARGET's: the codebooks are indexed by target token ids, so a draft
+    trained against another vocabulary shows up as a TensorShapeError on the codebooks.
+    With `include_selector=False` the selector tensors are tolerated but not required."""
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"fc.weight": (H, cfg.n_taps * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    notes = {"fc.weight": f"[hidden_size, n_taps * hidden_size] with {cfg.n_taps} taps {cfg.target_layer_ids}"}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q_rows, H),
+            p + "self_attn.k_proj.weight": (kv_rows, H),
+            p + "self_attn.v_proj.weight": (kv_rows, H),
+            p + "self_attn.o_proj.weight": (H, q_rows),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        }
+        if cfg.kind == "dflash2":
+            taps, G = cfg.conv_kernel_size, cfg.conv_groups
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[p + conv + ".base_kernel"] = (2, taps, H)  # [side, tap, channel]
+                shapes[p + conv + ".kernel_projection.weight"] = (2 * taps * G, H)
+                notes[p + conv + ".kernel_projection.weight"] = (
+                    f"[2 * conv_kernel_size * (hidden_size / conv_group_size), hidden_size] = "
+                    f"[2 * {taps} * {G}, {H}]"
+                )
+    optional: tuple = ()
+    if cfg.kind == "dflash2":
+        r = cfg.selector_rank
+        selector = {
+            "candidate_selector.hidden_projection.weight": (r, H),
+            "candidate_selector.predecessor_codebook": (vocab_size, r),
+            "candidate_selector.successor_codebook": (vocab_size, r),
+        }
+        for name in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
+            notes[name] = (
+                f"[target vocab_size, selector_rank] = [{vocab_size}, {r}]: the codebook rows must equal "
+                "the TARGET's vocab_size (was this draft trained for another target?)"
+            )
+        if include_selector:
+            shapes |= selector
+        else:
+            optional = tuple(selector)
+    return ExpectedTensors(shapes, optional, notes)

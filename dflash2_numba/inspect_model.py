@@ -1,0 +1,129 @@
+"""`dflash2-decode inspect DIR`: what a checkpoint directory holds, without loading weights.
+
+`inspect_model(path)` returns a JSON-serialisable dict (kind, resolved config, tensor
+inventory, parameter count and bytes, sha256 of every file that defines the model);
+`format_inspect(report)` renders it as text. Only headers are read, plus the files hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import DTYPES, INDEX_NAME, open_checkpoint
+from .config import (
+    DRAFT_ARCHITECTURES,
+    expected_draft_tensors,
+    expected_target_tensors,
+    read_config_json,
+    resolve_draft_config,
+    resolve_target_config,
+)
+from .errors import CheckpointError
+
+# files that change what the model computes or emits, hashed when present
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    INDEX_NAME,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
+    """Describe a target or draft directory. Raises the loader's typed errors on a broken one."""
+    path = Path(path)
+    config_path, raw = read_config_json(path)
+    archs = raw.get("architectures") or [None]
+    if archs[0] in DRAFT_ARCHITECTURES:
+        cfg = resolve_draft_config(raw, source=str(config_path))
+        kind = cfg.kind
+    else:
+        cfg = resolve_target_config(raw, source=str(config_path))  # refuses unknown architectures
+        kind = "target"
+    ckpt = open_checkpoint(path)
+
+    tensors = []
+    n_params = n_bytes = 0
+    for name in ckpt.names():
+        t = ckpt.info(name)
+        count = int(np.prod(t.shape, dtype=np.int64))
+        n_params += count
+        n_bytes += count * np.dtype(DTYPES[t.dtype]).itemsize
+        tensors.append({"name": name, "dtype": t.dtype, "shape": list(t.shape), "file": t.file.name})
+
+    # the inventory a loader would demand; reported, not raised, so inspect still describes
+    # a checkpoint the loader would refuse
+    if kind == "target":
+        expected = expected_target_tensors(cfg)
+    else:
+        vocab = cfg.vocab_size  # the draft's own claim; the loader uses the target's
+        expected = expected_draft_tensors(cfg, vocab or 0, include_selector=vocab is not None)
+    try:
+        ckpt.require(expected)
+        inventory_error = None
+    except CheckpointError as e:
+        inventory_error = f"{type(e).__name__}: {e}"
+
+    files = {}
+    if hash_files:
+        names = [f for f in SIDE_FILES if (path / f).is_file()] + [f.name for f in ckpt.files]
+        files = {name: file_sha256(path / name) for name in names}
+
+    return {
+        "path": str(path),
+        "kind": kind,
+        "architecture": cfg.architecture,
+        "config": asdict(cfg),
+        "tensors": tensors,
+        "num_tensors": len(tensors),
+        "num_parameters": n_params,
+        "num_bytes": n_bytes,
+        "dtypes": sorted({t["dtype"] for t in tensors}),
+        "inventory_error": inventory_error,
+        "sha256": files,
+    }
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_inspect(report: dict) -> str:
+    """Readable rendering of `inspect_model`'s report."""
+    lines = [
+        f"{report['path']}: {report['kind']} ({report['architecture']})",
+        f"  parameters: {report['num_parameters']:,} in {report['num_tensors']} tensors, "
+        f"{_human_bytes(report['num_bytes'])} ({', '.join(report['dtypes']) or 'no tensors'})",
+        f"  inventory:  {'ok' if report['inventory_error'] is None else report['inventory_error']}",
+        "config:",
+    ]
+    width = max((len(k) for k in report["config"]), default=0)
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in report["config"].items()]
+    lines.append("tensors:")
+    width = max((len(t["name"]) for t in report["tensors"]), default=0)
+    for t in report["tensors"]:
+        lines.append(f"  {t['name'].ljust(width)}  {t['dtype']:<4} {str(t['shape']):<18} {t['file']}")
+    if report["sha256"]:
+        lines.append("sha256:")
+        lines += [f"  {digest}  {name}" for name, digest in report["sha256"].items()]
+    return "\n".join(lines)
+
