@@ -46,11 +46,19 @@ class HashTarget:
         self.tokenizer = None
         self.scale, self.seed, self.hidden = scale, seed, hidden
         self.forward_rows: list[int] = []  # rows per forward call (tests count verify passes)
+        self._memo: dict = {}  # (prefix hash, taps) -> row: sampling tests revisit prefixes
 
     def new_cache(self, max_len: int) -> HashCache:
         return HashCache(max_len)
 
     def _row(self, h: int, tap_layers):
+        key = (h, tuple(tap_layers))
+        if key not in self._memo:
+            self._memo[key] = self._compute_row(h, tap_layers)
+        logits, taps = self._memo[key]
+        return logits.copy(), taps
+
+    def _compute_row(self, h: int, tap_layers):
         rng = np.random.default_rng([self.seed, h & 0xFFFFFFFF, h >> 32])
         logits = (self.scale * rng.standard_normal(self.config.vocab_size)).astype(np.float32)
         taps = [rng.standard_normal(self.hidden).astype(np.float32) + l for l in tap_layers]
