@@ -31,10 +31,8 @@ def load_target(model_dir, device: str = "cpu", dtype: str = "f32"):
     target = TargetModel.load(model_dir, device=device, dtype=dtype)
     tok = Tokenizer.from_dir(model_dir)
     target.tokenizer = tok
-    if hasattr(target, "set_valid_vocab"):  # ids >= the tokenizer's size are padding (§2.1)
-        target.set_valid_vocab(min(tok.vocab_size, target.config.vocab_size))
-    elif getattr(target, "valid_vocab", None) is None:
-        target.valid_vocab = min(tok.vocab_size, target.config.vocab_size)
+    # ids >= the tokenizer's size are padding (§2.1); the decode loop masks them to -inf
+    target.valid_vocab = min(tok.vocab_size, target.config.vocab_size)
     return target
 
 

@@ -64,7 +64,7 @@ class HashTarget:
         taps = [rng.standard_normal(self.hidden).astype(np.float32) + l for l in tap_layers]
         return logits, taps
 
-    def forward(self, ids, cache: HashCache, tap_layers=()):
+    def forward(self, ids, cache: HashCache, tap_layers=(), last_only=False):
         ids = np.asarray(ids, np.int64)
         assert ids.ndim == 1 and len(ids) >= 1
         assert cache.length + len(ids) <= cache.max_len, "cache overflow"
@@ -77,7 +77,8 @@ class HashTarget:
             lg, tp = self._row(h, tap_layers)
             logits.append(lg)
             taps.append(np.concatenate(tp) if tap_layers else None)
-        return np.stack(logits), (np.stack(taps) if tap_layers else None)
+        logits = np.stack(logits[-1:] if last_only else logits)
+        return logits, (np.stack(taps) if tap_layers else None)
 
 
 def greedy_reference(target, prompt_ids, n_new, stops=()):

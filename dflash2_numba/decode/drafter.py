@@ -100,7 +100,7 @@ class OracleDrafter:
         assert start_pos == state.length == state.cache.length, (start_pos, state.length)
         ids = np.asarray(token_ids, np.int64)  # [n]
         if len(ids):
-            self.target.forward(ids, state.cache)
+            self.target.forward(ids, state.cache, last_only=True)  # only the K/V matter
         state.length += len(ids)
 
     def propose(self, state: _OracleState, anchor_id: int, anchor_pos: int, n_rows: int,

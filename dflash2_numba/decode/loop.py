@@ -155,7 +155,8 @@ def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: S
     # ---- prefill: target KV(0..n-1), taps(0..n-1), first token from the last prompt row
     t0 = time.perf_counter()
     cache = target.new_cache(max_len)
-    logits, taps = target.forward(np.asarray(ids, np.int64), cache, tap_layers=tap_layers)  # [n, V]
+    logits, taps = target.forward(np.asarray(ids, np.int64), cache, tap_layers=tap_layers,
+                                  last_only=True)  # [1, V] (only the last row is sampled)
     first = _pick(mask_padded(logits[-1], vv), sampling, rng)
     stats.prefill_s = time.perf_counter() - t0
     step = commit([first], 0)
@@ -232,7 +233,7 @@ def propose_once(target, draft, prompt: str | None = None, *, block_size: int | 
     n, rng = len(ids), sampling.rng()
     cache = target.new_cache(n + Q)
     logits, taps = target.forward(np.asarray(ids, np.int64), cache,
-                                  tap_layers=tuple(draft.target_layer_ids))  # [n, V]
+                                  tap_layers=tuple(draft.target_layer_ids), last_only=True)  # [1, V]
     anchor = _pick(mask_padded(logits[-1], valid_vocab(target)), sampling, rng)
     state = draft.new_state(n + Q)
     draft.extend_context(state, taps, 0, np.asarray(ids, np.int64))
