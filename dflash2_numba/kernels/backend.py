@@ -1,0 +1,61 @@
+"""The ONE device switch (DESIGN §7): model code calls `ops.linear`, `ops.attention`,
+`ops.grouped_conv` and never imports a kernel module itself.
+
+    get_ops("cpu")    numba @njit kernels; bf16 weights stay uint16 memmaps (default)
+    get_ops("numpy")  plain numpy references in f32; `prepare_weight` converts each weight
+                      matrix to f32 ONCE at load (the benchmark's "plain numpy f32 path")
+    get_ops("cuda")   not wired yet: raises DeviceUnavailableError
+
+Contracts (all float32 activations):
+    linear(x [M, K], w [N, K]) -> [M, N]                                    (kernels/linear.py)
+    attention(q [nq, nh, hd], k [nkv, T, hd], v, q_pos [nq], k_pos [T],
+              causal: bool, window: int, bf16_probs=False) -> [nq, nh, hd]  (kernels/attention.py)
+    grouped_conv(x, delta, base, group_size, block_len)                    (kernels/conv.py, §4.2)
+    prepare_weight(w) -> the array to hand to linear (identity, or an f32 copy)
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..errors import DeviceUnavailableError
+from ..numerics import as_f32
+from .attention import attention, attention_reference
+from .linear import linear, linear_reference
+
+DEVICES = ("cpu", "numpy", "cuda")
+
+
+@dataclass(frozen=True)
+class Ops:
+    device: str
+    linear: Callable
+    attention: Callable
+    grouped_conv: Callable  # DFlash2 drafts only
+    prepare_weight: Callable[[np.ndarray], np.ndarray]
+
+
+def _keep(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def _conv_kernels():
+    """(cpu kernel, numpy version) from kernels/conv.py, written separately."""
+    from .conv import grouped_conv, grouped_conv_numpy
+
+    return grouped_conv, grouped_conv_numpy
+
+
+def get_ops(device: str = "cpu") -> Ops:
+    if device == "cpu":
+        conv, _ = _conv_kernels()
+        return Ops("cpu", linear, attention, conv, _keep)
+    if device == "numpy":
+        _, conv = _conv_kernels()
+        return Ops("numpy", linear_reference, attention_reference, conv, as_f32)
+    if device == "cuda":
+        raise DeviceUnavailableError(
+            "device 'cuda': the CUDA kernels are not wired into kernels/backend.py yet; use --device cpu"
+        )
+    raise DeviceUnavailableError(f"unknown device {device!r}; expected one of: {', '.join(DEVICES)}")

@@ -1,0 +1,86 @@
+"""Transformer building blocks in plain numpy (picoGPT style), shared by target and drafts.
+
+Activations are float32 `[rows, features]` (or `[rows, heads, hd]`). Every function takes
+`bf16: bool`: False computes in f32 (run mode "f32"); True rounds to bf16 at each point where
+eager PyTorch in bfloat16 materialises a tensor (run mode "bf16", DESIGN §6), so elementwise
+steps match torch bit for bit. Weights may be uint16 (bf16 bits) or float; small ones
+(norm weights) are converted here, big ones go through `ops.linear`.
+"""
+
+import numpy as np
+
+from ..errors import GenerationArgumentError
+from ..numerics import as_f32, round_bf16_array
+
+
+def rnd_if(x: np.ndarray, bf16: bool) -> np.ndarray:
+    """rnd(x) in bf16 mode, x itself in f32 mode."""
+    return round_bf16_array(x) if bf16 else x
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, bf16: bool = False) -> np.ndarray:
+    """HF RMSNorm: w * cast(x * rsqrt(mean(x^2) + eps)), statistics in f32.
+    x [..., D] f32, w [D] -> [..., D] f32."""
+    x = x.astype(np.float32, copy=False)
+    var = np.mean(x * x, axis=-1, keepdims=True)  # [..., 1]
+    normed = rnd_if(x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))), bf16)  # [..., D]
+    return rnd_if(as_f32(w) * normed, bf16)
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float, bf16: bool = False):
+    """cos, sin [n, hd] for NeoX rotate-half RoPE, computed in f32 as HF does
+    (inv_freq_i = 1 / theta^(2i/hd); in bf16 mode the tables are cast to bf16, like HF's
+    `cos.to(x.dtype)`)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)  # [hd/2]
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** exponent)  # [hd/2]
+    freqs = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # [n, hd/2]
+    emb = np.concatenate([freqs, freqs], axis=-1)  # [n, hd]
+    return rnd_if(np.cos(emb), bf16), rnd_if(np.sin(emb), bf16)
+
+
+def rotate_half(x: np.ndarray) -> np.ndarray:
+    """[..., hd] -> [-x2, x1] with x1, x2 the two halves."""
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, bf16: bool = False) -> np.ndarray:
+    """x [n, heads, hd], cos/sin [n, hd] -> x*cos + rotate_half(x)*sin (each product rounded
+    in bf16 mode, then the sum)."""
+    c, s = cos[:, None, :], sin[:, None, :]  # [n, 1, hd]
+    return rnd_if(rnd_if(x * c, bf16) + rnd_if(rotate_half(x) * s, bf16), bf16)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, bf16: bool = False) -> np.ndarray:
+    """x [n, heads, hd] rotated to positions [n]."""
+    cos, sin = rope_tables(positions, x.shape[-1], theta, bf16)
+    return apply_rope(x, cos, sin, bf16)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x) in f32 (exp overflow for very negative x gives -0, as torch)."""
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray, bf16: bool = False) -> np.ndarray:
+    """silu(gate) * up; eager bf16 rounds silu's output, then the product. [n, I] -> [n, I]."""
+    return rnd_if(rnd_if(silu(gate), bf16) * up, bf16)
+
+
+def mlp(x, w_gate, w_up, w_down, linear, bf16: bool = False) -> np.ndarray:
+    """down(silu(gate(x)) * up(x)). x [n, H] -> [n, H]; `linear` is ops.linear."""
+    g = rnd_if(linear(x, w_gate), bf16)  # [n, I]
+    u = rnd_if(linear(x, w_up), bf16)  # [n, I]
+    return rnd_if(linear(swiglu(g, u, bf16), w_down), bf16)  # [n, H]
+
+
+def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a [V, H] table (bf16 bits or float) as f32 [n, H]; only those rows are
+    read and converted."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
+    V = table.shape[0]
+    bad = ids[(ids < 0) | (ids >= V)]
+    if bad.size:
+        raise GenerationArgumentError(f"token id {int(bad[0])} outside the embedding table [0, {V})")
+    return as_f32(table[ids])  # [n, H]

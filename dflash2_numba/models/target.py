@@ -1,0 +1,227 @@
+"""Qwen3 / Llama target model over a croppable KV cache, with hidden taps (DESIGN §2.1, §5).
+
+    target = TargetModel.load(model_dir, device="cpu", dtype="f32")
+    cache  = target.new_cache(max_len)
+    logits, taps = target.forward(ids, cache, tap_layers=(1, 3))   # prefill / verify / decode
+    cache.crop(n)                                                  # drop rejected positions
+
+`forward` runs `ids` at positions cache.length .. cache.length+n-1, appends their K/V and
+returns logits for every row (row i predicts position cache.length+i+1) and, if asked, the
+residual stream after each layer in `tap_layers` (HF `hidden_states[l+1]`), concatenated.
+
+Layer (pre-norm): h += o_proj(attn(rms(h))); h += down(silu(gate(m)) * up(m)), m = rms(h).
+Qwen3 applies q_norm / k_norm per head before RoPE; Llama has neither.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..config import TargetConfig, load_target_config
+from ..errors import GenerationArgumentError
+from ..kernels.backend import Ops, get_ops
+from ..numerics import DTYPE_MODES, as_f32
+from .layers import apply_rope, embedding, mlp, rms_norm, rnd_if, rope_tables
+
+
+class KVCache:
+    """Per-layer keys/values of positions 0..length-1: k, v [L, nkv, max_len, hd] f32.
+
+    Positions >= length are scratch: `forward` writes there, then bumps `length`; `crop(n)`
+    just lowers `length` (rejected drafts are overwritten by the next forward). The buffer
+    doubles when a forward would run past max_len."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int = 256):
+        shape = (num_layers, num_kv_heads, max(1, int(max_len)), head_dim)
+        self.k = np.zeros(shape, dtype=np.float32)
+        self.v = np.zeros(shape, dtype=np.float32)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, n: int) -> None:
+        """Make room for n more positions (copies into a bigger buffer if needed)."""
+        need = self.length + n
+        if need <= self.max_len:
+            return
+        new_len = max(need, 2 * self.max_len)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = np.zeros(old.shape[:2] + (new_len,) + old.shape[3:], dtype=np.float32)
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def crop(self, n: int) -> None:
+        """Keep positions 0..n-1 (n <= length)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"KVCache.crop({n}): cache holds {self.length} positions")
+        self.length = int(n)
+
+
+class TargetModel:
+    """Attributes: config (TargetConfig), checkpoint (Checkpoint), ops (Ops), dtype ("f32" |
+    "bf16"), valid_vocab (int).
+
+    `valid_vocab` is the hook for padded vocabularies: config.vocab_size may exceed the
+    tokenizer's size (Qwen3: 151936 vs 151669). The model never masks by itself — logits keep
+    all vocab_size columns. The decode layer, which knows the tokenizer, sets
+    `target.valid_vocab = len(tokenizer)` and calls `target.mask_padded(logits)` (also for
+    draft logits computed with `target.lm_head`) so that padded ids are never emitted."""
+
+    def __init__(self, config: TargetConfig, checkpoint: Checkpoint, ops: Ops, dtype: str = "f32"):
+        if dtype not in DTYPE_MODES:
+            raise GenerationArgumentError(f"dtype {dtype!r}; expected one of: {', '.join(DTYPE_MODES)}")
+        self.config, self.checkpoint, self.ops, self.dtype = config, checkpoint, ops, dtype
+        self.bf16 = dtype == "bf16"
+        self.valid_vocab = config.vocab_size
+        checkpoint.require(*expected_tensors(config))
+        c, get, w = config, checkpoint.get, ops.prepare_weight
+
+        self.embed_table = get("model.embed_tokens.weight")  # [V, H] stays uint16: rows on demand
+        self.norm_w = as_f32(get("model.norm.weight"))  # [H]
+        if c.tie_word_embeddings:  # HF ties lm_head to the embedding even if a copy is stored
+            self.lm_head_w = w(self.embed_table)  # [V, H]
+        else:
+            self.lm_head_w = w(get("lm_head.weight"))  # [V, H]
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "ln1": as_f32(get(p + "input_layernorm.weight")),  # [H]
+                "ln2": as_f32(get(p + "post_attention_layernorm.weight")),  # [H]
+                **{n: w(get(p + f"self_attn.{n}_proj.weight")) for n in ("q", "k", "v", "o")},
+                **{n: w(get(p + f"mlp.{n}_proj.weight")) for n in ("gate", "up", "down")},
+            }
+            if c.has_qk_norm:
+                layer["q_norm"] = as_f32(get(p + "self_attn.q_norm.weight"))  # [hd]
+                layer["k_norm"] = as_f32(get(p + "self_attn.k_norm.weight"))  # [hd]
+            self.layers.append(layer)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "f32") -> "TargetModel":
+        """Read config.json + safetensors (single or sharded), validate the tensor inventory
+        (MissingTensorsError / UnexpectedTensorsError / TensorShapeError), pick the kernels."""
+        config = load_target_config(model_dir)
+        return cls(config, open_checkpoint(model_dir), get_ops(device), dtype)
+
+    # ------------------------------------------------------------------ pieces (also used by drafts)
+    def new_cache(self, max_len: int = 256) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """ids [n] -> [n, H] f32 (bf16 embeddings are exact in f32)."""
+        return embedding(self.embed_table, ids)
+
+    def final_norm(self, h: np.ndarray) -> np.ndarray:
+        """[n, H] -> [n, H] through model.norm."""
+        return rms_norm(h, self.norm_w, self.config.rms_norm_eps, self.bf16)
+
+    def lm_head(self, h: np.ndarray) -> np.ndarray:
+        """ALREADY-NORMED states [n, H] -> logits [n, V] f32 (all vocab_size columns)."""
+        return rnd_if(self.ops.linear(h, self.lm_head_w), self.bf16)
+
+    def mask_padded(self, logits: np.ndarray) -> np.ndarray:
+        """Set columns >= valid_vocab to -inf, in place; returns logits [n, V]."""
+        if self.valid_vocab < logits.shape[-1]:
+            logits[..., self.valid_vocab :] = -np.inf
+        return logits
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        ids: np.ndarray,
+        cache: KVCache,
+        tap_layers: Sequence[int] = (),
+        last_only: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """ids [n] int64 at positions cache.length.. -> (logits [n, V] f32 ([1, V] with
+        last_only: only the last row goes through the head), taps [n, len(tap_layers)*H] f32
+        or None). Appends K/V of the n positions to the cache."""
+        c = self.config
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
+        n, H = ids.shape[0], c.hidden_size
+        if n == 0:
+            raise GenerationArgumentError("TargetModel.forward: no token ids given")
+        for l in tap_layers:
+            if not 0 <= l < c.num_hidden_layers:
+                raise GenerationArgumentError(f"tap layer {l} outside 0..{c.num_hidden_layers - 1}")
+        start = cache.length
+        cache.reserve(n)
+        q_pos = np.arange(start, start + n, dtype=np.int64)  # [n]
+        k_pos = np.arange(start + n, dtype=np.int64)  # [T] keys: cache ++ this block
+        cos, sin = rope_tables(q_pos, c.head_dim, c.rope_theta, self.bf16)  # [n, hd] each
+
+        h = self.embed(ids)  # [n, H]
+        taps = np.empty((n, len(tap_layers) * H), dtype=np.float32) if len(tap_layers) else None
+        for i, layer in enumerate(self.layers):
+            h = self._layer(i, layer, h, cache, start, q_pos, k_pos, cos, sin)
+            for j, l in enumerate(tap_layers):
+                if l == i:  # residual stream AFTER layer i = HF hidden_states[i+1]
+                    taps[:, j * H : (j + 1) * H] = h
+        cache.length = start + n
+        if last_only:
+            h = h[-1:]
+        return self.lm_head(self.final_norm(h)), taps
+
+    def _layer(self, i, layer, h, cache, start, q_pos, k_pos, cos, sin):
+        """One decoder layer on h [n, H] at positions q_pos; writes K/V i of the cache."""
+        c, bf16, linear = self.config, self.bf16, self.ops.linear
+        n, nh, nkv, hd, eps = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+
+        a = rms_norm(h, layer["ln1"], eps, bf16)  # [n, H]
+        q = rnd_if(linear(a, layer["q"]), bf16).reshape(n, nh, hd)  # [n, nh, hd]
+        k = rnd_if(linear(a, layer["k"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+        v = rnd_if(linear(a, layer["v"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+        if c.has_qk_norm:  # Qwen3: RMSNorm over each head's hd features, before RoPE
+            q = rms_norm(q, layer["q_norm"], eps, bf16)
+            k = rms_norm(k, layer["k_norm"], eps, bf16)
+        q = apply_rope(q, cos, sin, bf16)
+        k = apply_rope(k, cos, sin, bf16)
+
+        end = start + n
+        cache.k[i, :, start:end] = k.transpose(1, 0, 2)  # [nkv, n, hd]
+        cache.v[i, :, start:end] = v.transpose(1, 0, 2)
+        kc, vc = cache.k[i, :, :end], cache.v[i, :, :end]  # [nkv, T, hd] cache ++ this block
+        o = self.ops.attention(q, kc, vc, q_pos, k_pos, True, 0, bf16)  # [n, nh, hd]
+        o = rnd_if(o, bf16).reshape(n, nh * hd)  # [n, nh*hd]
+        h = rnd_if(h + rnd_if(linear(o, layer["o"]), bf16), bf16)  # [n, H]
+
+        m = rms_norm(h, layer["ln2"], eps, bf16)  # [n, H]
+        return rnd_if(h + mlp(m, layer["gate"], layer["up"], layer["down"], linear, bf16), bf16)
+
+
+def expected_tensors(c: TargetConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(name -> shape, optional names) for the full inventory of a target checkpoint."""
+    H, I, V, hd = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    optional = {"lm_head.weight"} if c.tie_word_embeddings else set()
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (q_dim, H),
+                p + "self_attn.k_proj.weight": (kv_dim, H),
+                p + "self_attn.v_proj.weight": (kv_dim, H),
+                p + "self_attn.o_proj.weight": (H, q_dim),
+                p + "mlp.gate_proj.weight": (I, H),
+                p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I),
+            }
+        )
+        if c.has_qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        # old Llama exports carry the RoPE buffer; it is recomputed, never read
+        shapes[p + "self_attn.rotary_emb.inv_freq"] = (hd // 2,)
+        optional.add(p + "self_attn.rotary_emb.inv_freq")
+    return shapes, optional

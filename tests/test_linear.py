@@ -1,0 +1,77 @@
+"""linear(x, w) = x @ w.T against an independent float64 product, over a sweep of shapes that
+crosses every branch: M=1 kernel, the 4x2 register tile with M % 4 leftovers and an odd
+number of weight rows, the BLAS path above GEMV_MAX_ROWS, and every weight dtype."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from dflash2_numba.kernels.linear import GEMV_MAX_ROWS, ROW_BLOCK, linear, linear_reference
+from dflash2_numba.numerics import f32_to_bf16_array
+
+SHAPES = [(1, 7, 5), (1, 300, 64), (2, 33, 17), (3, 16, 40), (4, 31, 64), (5, ROW_BLOCK + 1, 96),
+          (7, 129, 33), (16, 64, 128), (31, 10, 70), (32, 257, 64), (33, 40, 48), (70, 300, 64)]
+
+
+def bf16_exact_weights(rng, N, K):
+    """Weights whose f32 values are exactly bf16 -> (uint16 bits, the same values in f64).
+    The f64 copy is made from the f32 values, not by decoding the bits, so a wrong decode in
+    the kernel cannot hide behind a wrong decode in the oracle."""
+    w32 = rng.standard_normal((N, K)).astype(np.float32)
+    w32 = (w32.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)  # truncate to bf16
+    return f32_to_bf16_array(w32), w32.astype(np.float64)
+
+
+def check(y, x, w64):
+    ref = x.astype(np.float64) @ w64.T  # [M, N]
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w64).T) + 1e-30  # f32 summation error scale
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    assert np.all(np.abs(y - ref) <= bound), np.abs(y - ref).max()
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_bf16_weights(M, N, K):
+    rng = np.random.default_rng(M * 1000 + N)
+    w, w64 = bf16_exact_weights(rng, N, K)
+    w.flags.writeable = False  # checkpoint weights are read-only memmap views
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    check(linear(x, w), x, w64)
+    check(linear_reference(x, w), x, w64)
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_float_weights(M, N, K, dtype):
+    rng = np.random.default_rng(M * 1000 + N + 7)
+    w = rng.standard_normal((N, K)).astype(dtype)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    check(linear(x, w), x, w.astype(np.float64))
+
+
+def test_noncontiguous_weight_and_out():
+    rng = np.random.default_rng(1)
+    w, w64 = bf16_exact_weights(rng, 40, 64)
+    x = rng.standard_normal((3, 32)).astype(np.float32)
+    out = np.full((3, 40), np.nan, dtype=np.float32)
+    y = linear(x, w[:, ::2], out=out)
+    assert y is out
+    check(y, x, w64[:, ::2])
+
+
+def test_shape_mismatch_is_named():
+    with pytest.raises(ValueError, match="64 columns"):
+        linear(np.zeros((1, 32), np.float32), np.zeros((8, 64), np.uint16))
+
+
+def test_prefill_path_converts_in_chunks():
+    """M > GEMV_MAX_ROWS must not materialise the whole f32 weight matrix (16 MiB here)."""
+    rng = np.random.default_rng(2)
+    N, K = 4096, 1024
+    w = f32_to_bf16_array(rng.standard_normal((N, K), dtype=np.float32))
+    x = rng.standard_normal((GEMV_MAX_ROWS + 8, K)).astype(np.float32)
+    tracemalloc.start()
+    linear(x, w)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 0.75 * N * K * 4, peak
