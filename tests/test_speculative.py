@@ -160,7 +160,7 @@ def tiny_target(tmp_path_factory):
     # one thread: a tiny model's kernels are dominated by thread-pool wake-ups otherwise
     threads = numba.get_num_threads()
     numba.set_num_threads(1)
-    path = tiny.write_target(tmp_path_factory.mktemp("spec") / "target", seed=0, dtype="bf16")
+    path = tiny.write_target(tmp_path_factory.mktemp("spec") / "target", seed=0, init_std=0.2)
     yield load_target(path)
     numba.set_num_threads(threads)
 

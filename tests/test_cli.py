@@ -1,0 +1,160 @@
+"""`dflash2-decode` through click's CliRunner: generate (target-only, v1 and v2 drafts, --json,
+--baseline), propose, inspect, the embedded default, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numba
+import pytest
+from click.testing import CliRunner
+
+import dflash2_numba as dn
+from dflash2_numba import tiny
+from dflash2_numba.cli import main
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)  # tiny models: thread wake-ups would dominate
+    yield
+    numba.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = tiny.write_target(root / "target", seed=2, init_std=0.2)
+    return {"target": target,
+            "dflash": tiny.write_draft(root / "dflash", target, kind="dflash", block_size=8, seed=3),
+            "dflash2": tiny.write_draft(root / "dflash2", target, kind="dflash2", block_size=8, seed=4)}
+
+
+def run(*args, **kw):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False, **kw)
+
+
+def reference(pair, ids, n):
+    """Target-only greedy through the API (the CLI must match it token for token)."""
+    return dn.generate(dn.load_target(pair["target"]), None, prompt_ids=ids, max_new_tokens=n)
+
+
+IDS = "5,17,200,33"
+
+
+def test_generate_target_only_streams_text(pair):
+    r = run("generate", "--target", pair["target"], "--prompt-ids", IDS, "--max-new-tokens", 12)
+    assert r.exit_code == 0, r.stderr
+    ref = reference(pair, [5, 17, 200, 33], 12)
+    assert r.stdout == ref.text + "\n"
+    assert "tau" in r.stderr and "tok/s" in r.stderr  # the stats block goes to stderr
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_generate_with_draft_json_stdout(pair, kind):
+    r = run("generate", "--target", pair["target"], "--draft", pair[kind], "--prompt-ids", IDS,
+            "--max-new-tokens", 20, "--block-size", 5, "--json", "-")
+    assert r.exit_code == 0, r.stderr
+    obj = json.loads(r.stdout)  # with --json - stdout holds only the object
+    ref = reference(pair, [5, 17, 200, 33], 20)
+    assert obj["output_ids"] == ref.output_ids and obj["text"] == ref.text  # lossless
+    assert obj["draft_kind"] == kind and obj["block_size"] == 5 and obj["draft"] == str(pair[kind])
+    assert obj["prompt_ids"] == [5, 17, 200, 33] and obj["finish_reason"] == ref.finish_reason
+    s = obj["stats"]
+    assert len(s["acceptance_histogram"]) == 5 and sum(s["acceptance_histogram"]) == s["steps"]
+    assert sum(s["acceptance_lengths"]) >= len(obj["output_ids"]) - 1
+    assert s["tau"] == pytest.approx(sum(s["acceptance_lengths"]) / s["steps"])
+    assert s["baseline_tokens_per_s"] is None and s["speedup"] is None
+
+
+def test_generate_json_file_and_baseline(pair, tmp_path):
+    out = tmp_path / "r.json"
+    r = run("generate", "--target", pair["target"], "--draft", pair["dflash"], "--prompt",
+            "hello world", "--max-new-tokens", 10, "--baseline", "--json", out)
+    assert r.exit_code == 0, r.stderr
+    obj = json.loads(out.read_text())
+    assert r.stdout == obj["text"] + "\n"  # the text still streams with --json PATH
+    assert obj["stats"]["baseline_tokens_per_s"] > 0 and obj["stats"]["speedup"] > 0
+    assert "speedup" in r.stderr and "differs" not in r.stderr
+
+
+def test_stop_token_and_sampling_seed(pair):
+    ref = reference(pair, [5, 17, 200, 33], 12)
+    k = next(i for i in range(1, 12) if ref.output_ids.index(ref.output_ids[i]) == i)
+    r = run("generate", "--target", pair["target"], "--draft", pair["dflash2"], "--prompt-ids", IDS,
+            "--max-new-tokens", 12, "--stop-token", ref.output_ids[k], "--json", "-")
+    obj = json.loads(r.stdout)
+    assert obj["output_ids"] == ref.output_ids[:k + 1] and obj["finish_reason"] == "stop"
+    args = ("generate", "--target", pair["target"], "--draft", pair["dflash"], "--prompt-ids", IDS,
+            "--max-new-tokens", 12, "--temperature", 1.0, "--top-k", 50, "--json", "-")
+    a, b = (json.loads(run(*args, "--seed", 9).stdout)["output_ids"] for _ in range(2))
+    assert a == b
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_propose_json(pair, kind):
+    r = run("propose", "--target", pair["target"], "--draft", pair[kind], "--prompt-ids", IDS,
+            "--block-size", 4, "--json", "-")
+    assert r.exit_code == 0, r.stderr
+    obj = json.loads(r.stdout)
+    assert obj["anchor"] == reference(pair, [5, 17, 200, 33], 1).output_ids[0]
+    assert obj["positions"] == [5, 6, 7] and len(obj["draft_ids"]) == 3 and len(obj["slots"]) == 3
+    assert all(len(s["candidate_ids"]) == len(s["candidate_scores"]) > 0 for s in obj["slots"])
+    r = run("propose", "--target", pair["target"], "--draft", pair[kind], "--prompt-ids", IDS)
+    assert r.exit_code == 0 and "candidates" in r.stdout
+
+
+def test_inspect(pair):
+    r = run("inspect", pair["target"], "--json", "-")
+    assert r.exit_code == 0, r.stderr
+    obj = json.loads(r.stdout)
+    assert obj["kind"] == "target" and obj["num_tensors"] > 0
+    r = run("inspect", pair["dflash2"])
+    assert r.exit_code == 0 and "dflash2" in r.stdout
+
+
+def _one_line_error(r, name):
+    assert r.exit_code == 2, (r.exit_code, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {name}: "), r.stderr
+
+
+def test_errors_exit_2_one_line(pair, tmp_path):
+    t = pair["target"]
+    _one_line_error(run("generate", "--target", tmp_path / "nope", "--prompt", "x"), "CheckpointNotFoundError")
+    _one_line_error(run("generate", "--target", t, "--draft", pair["dflash"], "--prompt", "x",
+                        "--block-size", 1), "GenerationArgumentError")
+    _one_line_error(run("generate", "--target", t, "--draft", pair["dflash"], "--prompt", "x",
+                        "--block-size", 9), "GenerationArgumentError")
+    _one_line_error(run("generate", "--target", t, "--prompt", "x", "--prompt-ids", "1"), "GenerationArgumentError")
+    _one_line_error(run("generate", "--target", t, "--prompt-ids", "1,a"), "GenerationArgumentError")
+    _one_line_error(run("generate", "--target", t, "--prompt", "x", "--temperature", -1), "GenerationArgumentError")
+    _one_line_error(run("propose", "--target", t, "--prompt", "x"), "GenerationArgumentError")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    _one_line_error(run("inspect", gguf), "GGUFNotSupportedError")
+    _one_line_error(run("generate", "--target", t, "--draft", pair["target"], "--prompt", "x"),
+                    "UnknownArchitectureError")
+    no_chat = tiny.write_target(tmp_path / "nochat", seed=2, chat_template=False)
+    _one_line_error(run("generate", "--target", no_chat, "--prompt", "x", "--chat"), "ChatTemplateMissingError")
+
+
+def test_default_pair_when_no_target(tmp_path, monkeypatch):
+    from dflash2_numba import default
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    r = run("generate", "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--json", "-")
+    assert r.exit_code == 0, r.stderr
+    obj = json.loads(r.stdout)
+    assert len(obj["output_ids"]) == 4 or obj["finish_reason"] == "stop"
+    if not (default.ASSET_DIR / "target" / "config.json").is_file():
+        assert "RANDOM" in r.stderr and (tmp_path / default.TINY_NAME / "target" / "config.json").is_file()
+        assert obj["draft_kind"] == "dflash2"
+
+
+def test_python_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "dflash2_numba", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "generate" in r.stdout and "propose" in r.stdout
