@@ -24,6 +24,7 @@ from pathlib import Path
 
 import click
 
+from . import __version__
 from .errors import DFlashError, GenerationArgumentError
 
 
@@ -40,7 +41,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group)
-@click.version_option(package_name="dflash2-numba")
+@click.version_option(version=__version__, prog_name="dflash2-decode")
 def main():
     """Lossless speculative decoding with DFlash / DFlash2 drafts (numpy + numba)."""
 

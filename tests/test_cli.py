@@ -140,6 +140,9 @@ def test_errors_exit_2_one_line(pair, tmp_path):
                     "UnknownArchitectureError")
     no_chat = tiny.write_target(tmp_path / "nochat", seed=2, chat_template=False)
     _one_line_error(run("generate", "--target", no_chat, "--prompt", "x", "--chat"), "ChatTemplateMissingError")
+    from numba import cuda
+    if not cuda.is_available():
+        _one_line_error(run("generate", "--target", t, "--prompt", "x", "--device", "cuda"), "DeviceUnavailableError")
 
 
 def test_default_pair_when_no_target(tmp_path, monkeypatch):
@@ -158,3 +161,5 @@ def test_default_pair_when_no_target(tmp_path, monkeypatch):
 def test_python_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "dflash2_numba", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "generate" in r.stdout and "propose" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "dflash2_numba", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and dn.__version__ in r.stdout
