@@ -122,8 +122,9 @@ class OracleDrafter:
             else:
                 tok = int(np.argmax(row))
             drafts.append(tok)
-            top = np.argpartition(-row, 3)[:4]
-            top = top[np.lexsort((top, -row[top]))]  # 4 best, descending, ties by id
+            n_top = min(4, len(row))
+            top = np.argpartition(-row, n_top - 1)[:n_top]
+            top = top[np.lexsort((top, -row[top]))]  # best few, descending, ties by id
             slots.append({"candidate_ids": top.tolist(), "candidate_scores": row[top].tolist()})
         state.cache.crop(anchor_pos)  # block K/V never persist
         q = np.stack(qs) if sample else None  # [n_rows-1, V]
