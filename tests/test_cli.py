@@ -163,3 +163,13 @@ def test_python_m_entry_point():
     assert r.returncode == 0 and "generate" in r.stdout and "propose" in r.stdout
     r = subprocess.run([sys.executable, "-m", "dflash2_numba", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and dn.__version__ in r.stdout
+
+
+def test_prompt_file_equals_prompt(pair, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("héllo wörld", encoding="utf-8")
+    a = run("generate", "--target", pair["target"], "--prompt-file", f, "--max-new-tokens", 6, "--json", "-")
+    b = run("generate", "--target", pair["target"], "--prompt", "héllo wörld", "--max-new-tokens", 6, "--json", "-")
+    assert a.exit_code == b.exit_code == 0
+    assert json.loads(a.stdout)["prompt_ids"] == json.loads(b.stdout)["prompt_ids"]
+    assert json.loads(a.stdout)["output_ids"] == json.loads(b.stdout)["output_ids"]
