@@ -1,0 +1,114 @@
+"""DFlash2 draft (DESIGN §4): DFlash v1 + a grouped dynamic conv around every sublayer + the
+candidate selector in place of the per-slot argmax.
+
+Each layer (the call sites live in DFlashDraft.block_forward, the ONE block forward every draft
+code path runs; here they are filled in):
+
+    a          = rms_in(h)
+    a', k_att  = attention_conv.prepare(a)      # conv(a, delta[:,0], base[0]); keeps delta[:,1]
+    h          = h + attention_conv.finish(attention(a'), k_att)     # conv(o, delta[:,1], base[1])
+    m          = rms_post(h)
+    m', k_mlp  = mlp_conv.prepare(m)
+    h          = h + mlp_conv.finish(mlp(m'), k_mlp)
+
+prepare(x): delta = kernel_projection(x) reshaped [N, 2, taps, G] — both sides' coefficients
+come from this ONE projection of the sublayer input; side 0 prepares, side 1 finishes
+(base_kernel [2, taps, H]: dim 0 is the side). The conv block length is the RUNTIME Q of the
+step, never the checkpoint's block_size. Block embeddings are scaled by input_embedding_scale.
+
+Selector: after the block forward and final norm, `CandidateSelector.select` picks the drafts.
+A selector that cannot run faithfully (tensors absent, selector_top_k > vocab, codebook rows !=
+target vocab, quantized tensors) does not stop the load: a NOTICE goes to stderr naming the
+boundary, the block forward still runs (conv included), and `propose` raises
+SelectorRefusedError there, before anything is sampled. Never a silent argmax fallback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from ..config import expected_draft_tensors
+from ..decode.drafter import Proposal, valid_vocab
+from ..decode.sampling import SamplingParams
+from ..numerics import as_f32, bf16_to_f32_array, f32_to_bf16_array
+from .draft import DFlashDraft
+from .layers import rnd_if
+from .selector import CandidateSelector, RefusedSelector
+from .target import KVCache
+
+CONVS = ("attention_conv", "mlp_conv")
+
+
+class DFlash2Draft(DFlashDraft):
+    """Attributes beyond DFlashDraft: selector (CandidateSelector | RefusedSelector),
+    selector_notice (str | None: the startup notice when the selector refuses)."""
+
+    kind = "dflash2"
+
+    def __init__(self, config, checkpoint, target):
+        super().__init__(config, checkpoint, target)
+        c = config
+        self.taps, self.group_size, self.groups = c.conv_kernel_size, c.conv_group_size, c.conv_groups
+        for i, L in enumerate(self.layers):
+            for conv in CONVS:
+                base = checkpoint.get(f"layers.{i}.{conv}.base_kernel")  # [2, taps, H] (side, tap, channel)
+                # the conv kernel takes all-f32 (f32 mode) or all-bf16 bits (bf16 mode)
+                base = f32_to_bf16_array(as_f32(base)) if self.bf16 and base.dtype != np.uint16 else base
+                L[conv] = {
+                    "base": base if self.bf16 else as_f32(base),  # [2, taps, H]
+                    "proj": self.ops.prepare_weight(checkpoint.get(f"layers.{i}.{conv}.kernel_projection.weight")),
+                }
+        self.selector = CandidateSelector.from_checkpoint(
+            checkpoint, c, target.config.vocab_size, valid_vocab(target), defer_refusal=True)
+        self.selector_notice = getattr(self.selector, "notice", None)
+        if self.selector_notice:
+            print(self.selector_notice, file=sys.stderr)
+
+    def _validate_inventory(self) -> None:
+        # Selector tensors are tolerated, not required, and their shapes are not checked here:
+        # a selector that cannot run faithfully is the selector's refusal (at propose), not a
+        # load failure. CandidateSelector.refusal_reason checks presence, dtype and shapes.
+        self.checkpoint.require(expected_draft_tensors(self.config, self.target.config.vocab_size,
+                                                       include_selector=False))
+
+    # ------------------------------------------------------------------ block forward pieces
+    def embed_block(self, anchor_ids, n_rows: int) -> np.ndarray:
+        """DFlash2 scales the block embeddings (all rows) by input_embedding_scale."""
+        e = super().embed_block(anchor_ids, n_rows)  # [R*Q, H]
+        return rnd_if(e * np.float32(self.config.input_embedding_scale), self.bf16)
+
+    def _conv(self, x: np.ndarray, delta: np.ndarray, base: np.ndarray, n_rows: int) -> np.ndarray:
+        """ops.grouped_conv on x [N, H], delta [N, taps, G], base [taps, H] (§4.2), in the run
+        mode's dtype: f32 arrays, or bf16 bits (x and delta are already bf16 values there)."""
+        if not self.bf16:
+            return self.ops.grouped_conv(x, delta, base, self.group_size, n_rows)
+        out = self.ops.grouped_conv(f32_to_bf16_array(x), f32_to_bf16_array(delta), base,
+                                    self.group_size, n_rows)  # [N, H] uint16
+        return bf16_to_f32_array(out)
+
+    def conv_prepare(self, layer: dict, name: str, x: np.ndarray, n_rows: int):
+        """-> (conv(x, delta[:, 0], base[0]), delta[:, 1]) with delta = kernel_projection(x)."""
+        conv, N = layer[name], x.shape[0]
+        delta = rnd_if(self.ops.linear(x, conv["proj"]), self.bf16)  # [N, 2*taps*G]
+        delta = delta.reshape(N, 2, self.taps, self.groups)  # [N, side, tap, group]
+        return self._conv(x, delta[:, 0], conv["base"][0], n_rows), delta[:, 1]
+
+    def conv_finish(self, layer: dict, name: str, y: np.ndarray, coef, n_rows: int) -> np.ndarray:
+        """conv(y, delta[:, 1], base[1]): the side-1 coefficients kept by prepare."""
+        return self._conv(y, coef, layer[name]["base"][1], n_rows)
+
+    # ------------------------------------------------------------------ proposing
+    def propose(self, state: KVCache, anchor_id: int, anchor_pos: int, n_rows: int,
+                sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
+        """Block forward (conv included), then the selector walk over the mask rows (§4.4).
+        A refused selector raises SelectorRefusedError here, after the forward."""
+        self._check_propose(n_rows)
+        h = self.block_forward([state], [anchor_id], [anchor_pos], n_rows)[1:]  # [Q-1, H] mask rows
+        if isinstance(self.selector, RefusedSelector):
+            self.selector.select()  # raises SelectorRefusedError, naming the boundary
+        z = self.target.lm_head(h)  # [Q-1, V]; the selector masks padding itself
+        positions = np.arange(anchor_pos + 1, anchor_pos + n_rows)  # [Q-1] position each row predicts
+        draft_ids, q, info = self.selector.select(h, z, int(anchor_id), positions, sampling, rng)
+        return Proposal(np.asarray(draft_ids, np.int64), q, info)

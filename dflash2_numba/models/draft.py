@@ -1,0 +1,216 @@
+"""DFlash v1 block-diffusion draft (DESIGN §2.2, §3); DFlash2 builds on it (models/dflash2.py).
+
+    draft = load_draft(draft_dir, target)           # DFlashDraft or DFlash2Draft, by config.json
+    state = draft.new_state(max_len)                # the context K/V cache (a target KVCache)
+    draft.extend_context(state, taps, start, ids)   # committed tokens start.. -> context K/V
+    prop  = draft.propose(state, anchor, p, Q, sampling, rng)   # Q-1 draft tokens (decode/drafter.py)
+    h     = draft.block_forward([state], [anchor], [p], Q)      # final-normed block states [Q, H]
+
+Context (once per committed token t, cached): c_t = RMSNorm_hidden_norm(fc(taps_t)); per layer
+K_t = RoPE_t(k_norm(W_k c_t)), V_t = W_v c_t. No input_layernorm; every layer reads the same c_t.
+
+Block: rows [anchor, mask * (Q-1)] at positions p..p+Q-1, embedded with the TARGET embedding.
+Each layer is a pre-norm Qwen3 layer whose keys/values are [context K/V at positions < p] ++
+[block K/V]; a key at s is visible from a query at q in full layers or when |q-s| <= W-1
+(symmetric sliding window), and in causal layers only if also s <= q. Output: RMSNorm_norm(h);
+the target's lm_head on the mask rows 1..Q-1 only. Block K/V never persist.
+
+`block_forward` takes several requests at once (rows laid end to end, Q per request: the layout
+of DESIGN §4.2) so that weights are read once per batch; `propose` uses one request.
+
+Run modes follow the target: dtype "f32" computes in f32 from bf16 weights; "bf16" rounds every
+op boundary as eager PyTorch does (models/layers.py). Kernels come from the target's `ops`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..config import DraftConfig, check_pairing, expected_draft_tensors, load_draft_config
+from ..decode.drafter import Proposal, valid_vocab
+from ..decode.sampling import SamplingParams, mask_padded, sample_token, target_probs
+from ..errors import GenerationArgumentError
+from ..numerics import as_f32
+from .layers import apply_rope, mlp, rms_norm, rnd_if, rope_tables
+from .target import KVCache
+
+N_SLOT_CANDIDATES = 8  # candidates per mask slot listed in Proposal.info["slots"] (v1)
+
+
+class DFlashDraft:
+    """DFlash v1. Attributes: config (DraftConfig), checkpoint, target, ops, dtype, bf16, layers.
+
+    Drafter protocol (decode/drafter.py): kind, block_size, target_layer_ids, mask_token_id,
+    new_state, extend_context, propose."""
+
+    kind = "dflash"
+
+    def __init__(self, config: DraftConfig, checkpoint: Checkpoint, target):
+        self.config, self.checkpoint, self.target = config, checkpoint, target
+        self.ops = target.ops  # one device switch for the pair
+        self.dtype, self.bf16 = target.dtype, target.dtype == "bf16"
+        self.block_size = config.block_size
+        self.target_layer_ids = list(config.target_layer_ids)
+        self.mask_token_id = config.mask_token_id
+        check_pairing(config, target.config)
+        self._validate_inventory()
+        get, w = checkpoint.get, self.ops.prepare_weight
+        self.fc = w(get("fc.weight"))  # [H, n_taps*H]
+        self.hidden_norm = as_f32(get("hidden_norm.weight"))  # [H]
+        self.norm = as_f32(get("norm.weight"))  # [H]
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"layers.{i}."
+            self.layers.append({
+                "ln1": as_f32(get(p + "input_layernorm.weight")),  # [H]
+                "ln2": as_f32(get(p + "post_attention_layernorm.weight")),  # [H]
+                "q_norm": as_f32(get(p + "self_attn.q_norm.weight")),  # [hd]
+                "k_norm": as_f32(get(p + "self_attn.k_norm.weight")),  # [hd]
+                **{n: w(get(p + f"self_attn.{n}_proj.weight")) for n in ("q", "k", "v", "o")},
+                **{n: w(get(p + f"mlp.{n}_proj.weight")) for n in ("gate", "up", "down")},
+                "causal": config.layer_causal[i],
+                "window": config.layer_window[i] or 0,  # 0 = full attention
+            })
+
+    def _validate_inventory(self) -> None:
+        """Every tensor present with its shape, nothing unknown (names them otherwise)."""
+        self.checkpoint.require(expected_draft_tensors(self.config, self.target.config.vocab_size))
+
+    # ------------------------------------------------------------------ context
+    def new_state(self, max_len: int) -> KVCache:
+        """Context K/V of positions 0..length-1 per draft layer, with room for a block past them."""
+        c = self.config
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len + c.block_size)
+
+    def extend_context(self, state: KVCache, taps, start_pos: int, token_ids) -> None:
+        """Append context K/V of committed tokens start_pos..start_pos+n-1 from their target taps
+        [n, n_taps*H] (token ids are not needed: the draft reads only taps)."""
+        n = len(token_ids)
+        if start_pos != state.length:
+            raise GenerationArgumentError(
+                f"extend_context: start_pos {start_pos}, but the draft context holds 0..{state.length - 1}")
+        if n == 0:
+            return
+        c, bf16 = self.config, self.bf16
+        if taps is None or taps.shape != (n, c.n_taps * c.hidden_size):
+            got = None if taps is None else list(taps.shape)
+            raise GenerationArgumentError(
+                f"extend_context: taps {got}, expected [{n}, {c.n_taps} * {c.hidden_size}] "
+                f"for target_layer_ids {c.target_layer_ids}")
+        linear, eps, nkv, hd = self.ops.linear, c.rms_norm_eps, c.num_key_value_heads, c.head_dim
+        x = np.ascontiguousarray(taps, dtype=np.float32)  # [n, n_taps*H]
+        ctx = rms_norm(rnd_if(linear(x, self.fc), bf16), self.hidden_norm, eps, bf16)  # [n, H] c_t
+        cos, sin = rope_tables(np.arange(start_pos, start_pos + n), hd, c.rope_theta, bf16)  # [n, hd]
+        state.reserve(n + c.block_size)
+        for i, L in enumerate(self.layers):
+            k = rnd_if(linear(ctx, L["k"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+            k = apply_rope(rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
+            v = rnd_if(linear(ctx, L["v"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+            state.k[i, :, start_pos:start_pos + n] = k.transpose(1, 0, 2)  # [nkv, n, hd]
+            state.v[i, :, start_pos:start_pos + n] = v.transpose(1, 0, 2)
+        state.length = start_pos + n
+
+    # ------------------------------------------------------------------ block forward
+    def embed_block(self, anchor_ids, n_rows: int) -> np.ndarray:
+        """[anchor, mask*(Q-1)] per request through the TARGET embedding -> [R*Q, H] f32."""
+        ids = np.full((len(anchor_ids), n_rows), self.mask_token_id, np.int64)  # [R, Q]
+        ids[:, 0] = anchor_ids
+        return self.target.embed(ids.reshape(-1))  # [R*Q, H]
+
+    # conv call sites of DFlash2 (DESIGN §4.1); DFlash v1 has no conv: identity
+    def conv_prepare(self, layer: dict, name: str, x: np.ndarray, n_rows: int):
+        return x, None
+
+    def conv_finish(self, layer: dict, name: str, y: np.ndarray, coef, n_rows: int) -> np.ndarray:
+        return y
+
+    def block_forward(self, states, anchor_ids, anchor_positions, n_rows: int) -> np.ndarray:
+        """R requests, one block of n_rows = Q rows each -> final-normed states [R*Q, H].
+        Request r's rows r*Q..r*Q+Q-1 sit at positions anchor_positions[r]..+Q-1 and attend to
+        its context (states[r], holding exactly 0..anchor_positions[r]-1) ++ its own block."""
+        c, bf16, linear, Q = self.config, self.bf16, self.ops.linear, int(n_rows)
+        if not 1 <= Q <= self.block_size:
+            raise GenerationArgumentError(f"draft block of {Q} rows; expected 1..{self.block_size} (block_size)")
+        for st, p in zip(states, anchor_positions):
+            if st.length != p:
+                raise GenerationArgumentError(
+                    f"draft block at position {p}, but the draft context holds 0..{st.length - 1}")
+            st.reserve(Q)  # scratch room for the block K/V past the context (length unchanged)
+        R, nh, nkv, hd, eps = len(states), c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        pos = (np.asarray(anchor_positions, np.int64)[:, None] + np.arange(Q)).reshape(-1)  # [R*Q]
+        cos, sin = rope_tables(pos, hd, c.rope_theta, bf16)  # [R*Q, hd]
+
+        h = self.embed_block(anchor_ids, Q)  # [R*Q, H]
+        for i, L in enumerate(self.layers):
+            a = rms_norm(h, L["ln1"], eps, bf16)  # [R*Q, H]
+            a, k_att = self.conv_prepare(L, "attention_conv", a, Q)
+            q = rnd_if(linear(a, L["q"]), bf16).reshape(R * Q, nh, hd)  # [R*Q, nh, hd]
+            k = rnd_if(linear(a, L["k"]), bf16).reshape(R * Q, nkv, hd)  # [R*Q, nkv, hd]
+            v = rnd_if(linear(a, L["v"]), bf16).reshape(R * Q, nkv, hd)
+            q = apply_rope(rms_norm(q, L["q_norm"], eps, bf16), cos, sin, bf16)
+            k = apply_rope(rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
+            o = np.empty((R * Q, nh, hd), np.float32)  # [R*Q, nh, hd]
+            for r, st in enumerate(states):
+                rows, p = slice(r * Q, (r + 1) * Q), st.length
+                # block K/V written just past the context, length NOT bumped: nothing persists
+                st.k[i, :, p:p + Q] = k[rows].transpose(1, 0, 2)  # [nkv, Q, hd]
+                st.v[i, :, p:p + Q] = v[rows].transpose(1, 0, 2)
+                o[rows] = self.ops.attention(q[rows], st.k[i, :, :p + Q], st.v[i, :, :p + Q],
+                                             pos[rows], np.arange(p + Q), L["causal"], L["window"], bf16)
+            o = rnd_if(linear(rnd_if(o, bf16).reshape(R * Q, nh * hd), L["o"]), bf16)  # [R*Q, H]
+            h = rnd_if(h + self.conv_finish(L, "attention_conv", o, k_att, Q), bf16)
+
+            m = rms_norm(h, L["ln2"], eps, bf16)  # [R*Q, H]
+            m, k_mlp = self.conv_prepare(L, "mlp_conv", m, Q)
+            y = mlp(m, L["gate"], L["up"], L["down"], linear, bf16)  # [R*Q, H]
+            h = rnd_if(h + self.conv_finish(L, "mlp_conv", y, k_mlp, Q), bf16)
+        return rms_norm(h, self.norm, eps, bf16)  # [R*Q, H]
+
+    # ------------------------------------------------------------------ proposing
+    def _check_propose(self, n_rows: int) -> None:
+        if not 2 <= n_rows <= self.block_size:
+            raise GenerationArgumentError(
+                f"propose: n_rows {n_rows}; expected 2..{self.block_size} (anchor + at least one mask row)")
+
+    def propose(self, state: KVCache, anchor_id: int, anchor_pos: int, n_rows: int,
+                sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
+        """v1: per mask slot the argmax of the draft logits (ties -> lowest id) when greedy,
+        else a draw from q = target_probs(z, sampling) (the same temperature / top-k / top-p
+        as the verifier), and q is returned so that verification stays lossless."""
+        self._check_propose(n_rows)
+        h = self.block_forward([state], [anchor_id], [anchor_pos], n_rows)  # [Q, H]
+        z = mask_padded(self.target.lm_head(h[1:]), valid_vocab(self.target))  # [Q-1, V], padding -inf
+        if sampling.greedy:
+            draft_ids, q = np.argmax(z, axis=-1).astype(np.int64), None  # first max = lowest id
+        else:
+            q = np.stack([target_probs(row, sampling) for row in z]).astype(np.float32)  # [Q-1, V]
+            draft_ids = np.array([sample_token(row, rng) for row in q], np.int64)  # drawn from q itself
+        return Proposal(draft_ids, q, {"slots": top_candidates(z, N_SLOT_CANDIDATES)})
+
+
+def top_candidates(z: np.ndarray, n: int) -> list[dict]:
+    """Per row of z [k, V]: the n best ids by logit (descending, ties by ascending id)."""
+    n = min(n, z.shape[-1])
+    slots = []
+    for row in z:
+        ids = np.lexsort((np.arange(len(row)), -row))[:n]  # primary: -logit, secondary: id
+        slots.append({"candidate_ids": ids.tolist(), "candidate_scores": row[ids].tolist()})
+    return slots
+
+
+def load_draft(draft_dir, target, kind: str | None = None):
+    """A DFlash (v1) or DFlash2 draft directory paired with a loaded TargetModel. `kind` is
+    decided by config.json architectures[0] (api.draft_kind); given here only to cross-check."""
+    draft_dir = Path(draft_dir)
+    config = load_draft_config(draft_dir, target.config)
+    if kind is not None and kind != config.kind:
+        raise GenerationArgumentError(f"{config.source}: draft kind {config.kind!r}, caller expected {kind!r}")
+    checkpoint = open_checkpoint(draft_dir)
+    if config.kind == "dflash2":
+        from .dflash2 import DFlash2Draft  # the subclass imports this module
+
+        return DFlash2Draft(config, checkpoint, target)
+    return DFlashDraft(config, checkpoint, target)

@@ -1,0 +1,139 @@
+"""Independent float64 numpy forward of DFlash v1 / DFlash2 drafts, written from DESIGN §3, §4.1
+and §4.2 for tests/test_draft.py and tests/test_dflash2_draft.py.
+
+Shares nothing with the package: tensors are read with safetensors' torch loader (bf16 -> f32 by
+torch), the attention is ONE full recomputation over [context ++ block] with an explicit
+visibility mask, and the conv is the §4.2 formula again, loop by loop.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.torch import load_file
+
+
+def read_weights(model_dir) -> dict[str, np.ndarray]:
+    """Every tensor of a model directory (single model.safetensors) as float64."""
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    return {n: t.float().numpy().astype(np.float64) for n, t in tensors.items()}
+
+
+def read_config(model_dir) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def rope(x, pos, theta):
+    """x [n, heads, hd] rotated (NeoX rotate-half) to positions pos [n]."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)  # [hd/2]
+    ang = np.asarray(pos, np.float64)[:, None] * inv_freq[None]  # [n, hd/2]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    half = hd // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+def conv_reference(x, delta, base, S, Q):
+    """DESIGN §4.2 literally: x [N, H], delta [N, taps, G], base [taps, H]; blocks of Q rows."""
+    N, H = x.shape
+    taps = base.shape[0]
+    out = np.zeros((N, H))
+    for n in range(N):
+        pos = n & (Q - 1) if Q & (Q - 1) == 0 else n % Q
+        for c in range(H):
+            coef = [base[t, c] + delta[n, t, c // S] for t in range(taps)]
+            acc = coef[0] * x[n, c]
+            for t in range(1, taps):
+                if pos >= t:
+                    acc += coef[t] * x[n - t, c]
+            out[n, c] = acc
+    return out
+
+
+class DraftReference:
+    """forward(taps [p, n_taps*H], anchor, Q) -> (final-normed block states [Q, H], mask-row
+    logits [Q-1, V]) for a request whose context is positions 0..p-1 and anchor at p."""
+
+    def __init__(self, target_dir, draft_dir):
+        self.T, self.W = read_weights(target_dir), read_weights(draft_dir)
+        tc, dc = read_config(target_dir), read_config(draft_dir)
+        self.tc, self.dc = tc, dc
+        nested = dc.get("dflash_config") or {}
+        self.v2 = dc["architectures"][0] == "DFlash2DraftModel"
+        self.H, self.nh, self.nkv = dc["hidden_size"], dc["num_attention_heads"], dc["num_key_value_heads"]
+        self.hd = dc["head_dim"]
+        self.eps = dc["rms_norm_eps"]
+        self.theta = dc.get("rope_theta") or dc["rope_parameters"]["rope_theta"]
+        self.mask_id = nested.get("mask_token_id", dc.get("mask_token_id"))
+        self.L = dc["num_hidden_layers"]
+        types = dc.get("layer_types") or ["full_attention"] * self.L
+        self.window = [dc["sliding_window"] if t == "sliding_attention" else None for t in types]
+        self.causal = [bool(dc["is_causal"])] * self.L
+        self.scale = nested.get("input_embedding_scale", 1.0) if self.v2 else 1.0
+        self.S = nested.get("conv_group_size")
+        self.taps = nested.get("conv_kernel_size")
+        self.embed = self.T["model.embed_tokens.weight"]  # [V, H]
+        self.head = self.T.get("lm_head.weight", self.embed)  # [V, H]
+
+    def visible(self, q_pos, k_pos, layer):
+        d = q_pos[:, None] - k_pos[None, :]  # [Q, T]
+        vis = np.ones(d.shape, bool)
+        if self.window[layer] is not None:
+            vis &= np.abs(d) <= self.window[layer] - 1
+        if self.causal[layer]:
+            vis &= d >= 0
+        return vis
+
+    def prepare(self, i, conv, x, Q):
+        W, taps, G = self.W, self.taps, self.H // self.S
+        delta = (x @ W[f"layers.{i}.{conv}.kernel_projection.weight"].T).reshape(len(x), 2, taps, G)
+        return conv_reference(x, delta[:, 0], W[f"layers.{i}.{conv}.base_kernel"][0], self.S, Q), delta[:, 1]
+
+    def finish(self, i, conv, y, delta1, Q):
+        return conv_reference(y, delta1, self.W[f"layers.{i}.{conv}.base_kernel"][1], self.S, Q)
+
+    def forward(self, taps, anchor, Q):
+        W, H, nh, nkv, hd = self.W, self.H, self.nh, self.nkv, self.hd
+        p = taps.shape[0]
+        ctx = rms(np.asarray(taps, np.float64) @ W["fc.weight"].T, W["hidden_norm.weight"], self.eps)  # [p, H]
+        h = self.embed[[anchor] + [self.mask_id] * (Q - 1)] * self.scale  # [Q, H]
+        q_pos, k_pos = p + np.arange(Q), np.arange(p + Q)
+        for i in range(self.L):
+            P = f"layers.{i}."
+            a = rms(h, W[P + "input_layernorm.weight"], self.eps)
+            if self.v2:
+                a, d_att = self.prepare(i, "attention_conv", a, Q)
+            kv_in = np.concatenate([ctx, a])  # [p+Q, H]: context rows skip input_layernorm
+            q = rms((a @ W[P + "self_attn.q_proj.weight"].T).reshape(Q, nh, hd), W[P + "self_attn.q_norm.weight"], self.eps)
+            k = rms((kv_in @ W[P + "self_attn.k_proj.weight"].T).reshape(p + Q, nkv, hd), W[P + "self_attn.k_norm.weight"], self.eps)
+            v = (kv_in @ W[P + "self_attn.v_proj.weight"].T).reshape(p + Q, nkv, hd)
+            q, k = rope(q, q_pos, self.theta), rope(k, k_pos, self.theta)
+            vis = self.visible(q_pos, k_pos, i)  # [Q, p+Q]
+            o = np.zeros((Q, nh, hd))
+            for head in range(nh):
+                kvh = head // (nh // nkv)
+                s = q[:, head] @ k[:, kvh].T / np.sqrt(hd)  # [Q, p+Q]
+                s = np.where(vis, s, -np.inf)
+                e = np.exp(s - s.max(-1, keepdims=True))
+                o[:, head] = (e / e.sum(-1, keepdims=True)) @ v[:, kvh]
+            o = o.reshape(Q, nh * hd) @ W[P + "self_attn.o_proj.weight"].T  # [Q, H]
+            if self.v2:
+                o = self.finish(i, "attention_conv", o, d_att, Q)
+            h = h + o
+            m = rms(h, W[P + "post_attention_layernorm.weight"], self.eps)
+            if self.v2:
+                m, d_mlp = self.prepare(i, "mlp_conv", m, Q)
+            g, u = m @ W[P + "mlp.gate_proj.weight"].T, m @ W[P + "mlp.up_proj.weight"].T
+            y = (g / (1 + np.exp(-g)) * u) @ W[P + "mlp.down_proj.weight"].T
+            if self.v2:
+                y = self.finish(i, "mlp_conv", y, d_mlp, Q)
+            h = h + y
+        hn = rms(h, W["norm.weight"], self.eps)  # [Q, H]
+        return hn, hn[1:] @ self.head.T  # [Q, H], [Q-1, V]
