@@ -5,8 +5,16 @@ from the visibility rules, over target-style (cache ++ block, causal) and draft-
 import numpy as np
 import pytest
 
+from dflash2_numba.kernels import attention as attention_module
 from dflash2_numba.kernels.attention import attention, attention_reference
 from dflash2_numba.numerics import round_bf16_array
+
+
+@pytest.fixture(params=["serial", "parallel"], autouse=True)
+def driver(request, monkeypatch):
+    """Run every case through both numba drivers (the size threshold is forced)."""
+    monkeypatch.setattr(attention_module, "PARALLEL_MIN_MACS", 0 if request.param == "parallel" else 1 << 62)
+    return request.param
 
 
 def brute(q, k, v, q_pos, k_pos, causal, window):

@@ -1,14 +1,25 @@
 """linear(x, w) = x @ w.T against an independent float64 product, over a sweep of shapes that
 crosses every branch: M=1 kernel, the 4x2 register tile with M % 4 leftovers and an odd
-number of weight rows, the BLAS path above GEMV_MAX_ROWS, and every weight dtype."""
+number of weight rows, the BLAS path above GEMV_MAX_ROWS, every weight dtype, and both the
+parallel and the serial driver."""
 
 import tracemalloc
 
 import numpy as np
 import pytest
 
+from dflash2_numba.kernels import linear as linear_module
 from dflash2_numba.kernels.linear import GEMV_MAX_ROWS, ROW_BLOCK, linear, linear_reference
 from dflash2_numba.numerics import f32_to_bf16_array
+
+
+
+@pytest.fixture(params=["serial", "parallel"], autouse=True)
+def driver(request, monkeypatch):
+    """Run every case through both numba drivers (the size threshold is forced)."""
+    monkeypatch.setattr(linear_module, "PARALLEL_MIN_MACS", 0 if request.param == "parallel" else 1 << 62)
+    return request.param
+
 
 SHAPES = [(1, 7, 5), (1, 300, 64), (2, 33, 17), (3, 16, 40), (4, 31, 64), (5, ROW_BLOCK + 1, 96),
           (7, 129, 33), (16, 64, 128), (31, 10, 70), (32, 257, 64), (33, 40, 48), (70, 300, 64)]

@@ -31,6 +31,8 @@ from numba import njit, prange
 
 from ..numerics import round_bf16, round_bf16_array
 
+PARALLEL_MIN_MACS = 1 << 18  # less work than this (nq*nh*hd*T) runs on one thread
+
 
 def _check(q, k, v, q_pos, k_pos):
     nq, nh, hd = q.shape
@@ -76,49 +78,62 @@ def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs
     return (o * (1 / np.where(s > 0, s, 1)).transpose(1, 0, 2)).astype(np.float32)
 
 
-@njit(parallel=True, fastmath={"reassoc"}, cache=True)
-def _attention_kernel(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out):
-    """One (query, head) pair per work item. out [nq, nh, hd] written."""
+@njit(inline="always")
+def _attention_item(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out, item):
+    """Query item // nh, head item % nh: one (query, head) pair. out [nq, nh, hd] written."""
     nq, nh, hd = q.shape
     T = k.shape[1]
     g = nh // k.shape[0]
     scale = np.float32(1.0) / np.sqrt(np.float32(hd))
-    for item in prange(nq * nh):
-        i = item // nh
-        h = item % nh
-        kvh = h // g
-        qp = q_pos[i]
-        s = np.empty(T, dtype=np.float32)  # [T] scores, -inf where not visible
-        mx = np.float32(-np.inf)
-        for t in range(T):
-            d = qp - k_pos[t]
-            if (causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)):
-                s[t] = -np.inf
-                continue
-            acc = np.float32(0.0)
-            for j in range(hd):
-                acc += q[i, h, j] * k[kvh, t, j]
-            acc *= scale
-            s[t] = acc
-            if acc > mx:
-                mx = acc
-        o = out[i, h]  # [hd] view
-        o[:] = np.float32(0.0)
-        if mx == -np.inf:
-            continue  # nothing visible: zero row
-        total = np.float32(0.0)
-        for t in range(T):
-            if s[t] == -np.inf:
-                continue
-            p = np.exp(s[t] - mx)
-            total += p
-            if bf16_probs:
-                p = round_bf16(p)
-            for j in range(hd):
-                o[j] += p * v[kvh, t, j]
-        inv = np.float32(1.0) / total
+    i = item // nh
+    h = item % nh
+    kvh = h // g
+    qp = q_pos[i]
+    s = np.empty(T, dtype=np.float32)  # [T] scores, -inf where not visible
+    mx = np.float32(-np.inf)
+    for t in range(T):
+        d = qp - k_pos[t]
+        if (causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)):
+            s[t] = -np.inf
+            continue
+        acc = np.float32(0.0)
         for j in range(hd):
-            o[j] *= inv
+            acc += q[i, h, j] * k[kvh, t, j]
+        acc *= scale
+        s[t] = acc
+        if acc > mx:
+            mx = acc
+    o = out[i, h]  # [hd] view
+    o[:] = np.float32(0.0)
+    if mx == -np.inf:
+        return  # nothing visible: zero row
+    total = np.float32(0.0)
+    for t in range(T):
+        if s[t] == -np.inf:
+            continue
+        p = np.exp(s[t] - mx)
+        total += p
+        if bf16_probs:
+            p = round_bf16(p)
+        for j in range(hd):
+            o[j] += p * v[kvh, t, j]
+    inv = np.float32(1.0) / total
+    for j in range(hd):
+        o[j] *= inv
+
+
+# A parallel driver and a serial twin for small work (fork/join would dominate); the item
+# function is inlined at numba-IR level, so the drivers' fastmath applies to it.
+@njit(parallel=True, fastmath={"reassoc"}, cache=True)
+def _attention_par(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out):
+    for item in prange(q.shape[0] * q.shape[1]):
+        _attention_item(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out, item)
+
+
+@njit(fastmath={"reassoc"}, cache=True)
+def _attention_ser(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out):
+    for item in range(q.shape[0] * q.shape[1]):
+        _attention_item(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out, item)
 
 
 def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None):
@@ -131,5 +146,6 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     _check(q, k, v, q_pos, k_pos)
     if out is None:
         out = np.empty(q.shape, dtype=np.float32)
-    _attention_kernel(q, k, v, q_pos, k_pos, bool(causal), int(window), bool(bf16_probs), out)
+    kernel = _attention_par if q.size * k.shape[1] >= PARALLEL_MIN_MACS else _attention_ser
+    kernel(q, k, v, q_pos, k_pos, bool(causal), int(window), bool(bf16_probs), out)
     return out
