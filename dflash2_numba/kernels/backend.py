@@ -4,7 +4,9 @@
     get_ops("cpu")    numba @njit kernels; bf16 weights stay uint16 memmaps (default)
     get_ops("numpy")  plain numpy references in f32; `prepare_weight` converts each weight
                       matrix to f32 ONCE at load (the benchmark's "plain numpy f32 path")
-    get_ops("cuda")   not wired yet: raises DeviceUnavailableError
+    get_ops("cuda")   @cuda.jit kernels (kernels/cuda_ops.CudaOps: same methods, weights cached on
+                      the device); DeviceUnavailableError without a GPU (runs on numba's CUDA
+                      simulator under NUMBA_ENABLE_CUDASIM=1)
 
 Contracts (all float32 activations):
     linear(x [M, K], w [N, K]) -> [M, N]                                    (kernels/linear.py)
@@ -54,8 +56,8 @@ def get_ops(device: str = "cpu") -> Ops:
     if device == "numpy":
         _, conv = _conv_kernels()
         return Ops("numpy", linear_reference, attention_reference, conv, as_f32)
-    if device == "cuda":
-        raise DeviceUnavailableError(
-            "device 'cuda': the CUDA kernels are not wired into kernels/backend.py yet; use --device cpu"
-        )
+    if device == "cuda":  # @cuda.jit kernels (kernels/cuda_ops.py); DeviceUnavailableError without a GPU
+        from .cuda_ops import CudaOps
+
+        return CudaOps()
     raise DeviceUnavailableError(f"unknown device {device!r}; expected one of: {', '.join(DEVICES)}")

@@ -1,0 +1,170 @@
+"""@cuda.jit attention: a block of queries over a key set — same contract as kernels/attention.py.
+
+    attention_cuda(q [nq, nh, hd], k [nkv, T, hd], v [nkv, T, hd], q_pos [nq], k_pos [T],
+                   causal=True, window=0, bf16_probs=False) -> [nq, nh, hd] f32
+
+Serves both callers of the CPU kernel: the target's verify block (k/v = cache ++ block,
+causal) and the draft block (context K/V ++ block, GQA, causal or not, symmetric window,
+explicit positions). k and v may be host arrays (uploaded) or device arrays — e.g. a
+device-resident KV cache slice `cache.k[i, :, :end]` (any strides: the kernel is specialised
+per layout); q is small and always uploaded if on the host. The result comes back to the host
+unless q was a device array.
+
+One thread block per (query i, head h), REDUCE_THREADS threads:
+  1. scores s_t = (q . k_t) * hd^-0.5 for visible keys (-inf otherwise), threads striding over
+     keys, written to a global scratch row [T]; block max by a shared-memory tree reduction;
+  2. p_t = exp(s_t - max) (0 for invisible keys), block sum (shared-memory tree); in bf16_probs
+     mode p_t is rounded to bf16 for the V weighting while the sum stays unrounded (as the CPU);
+  3. threads striding over hd: out[j] = sum_t p_t v[t, j] * (1 / sum).
+Shared-memory reductions only (no warp shuffles: the simulator has none). Summation order
+differs from the CPU kernel, so results agree within a tolerance (f32: ~1e-6 relative), not
+bit for bit. A query that sees no key gets a zero row, as on the CPU.
+"""
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32
+
+from ..numerics import round_bf16
+from .attention import _check
+from .cuda_common import REDUCE_THREADS, grid_blocks, is_device_array, to_device
+
+MAX_HEAD_DIM = 256  # q row staged in shared memory: [MAX_HEAD_DIM] f32
+
+
+@lru_cache(maxsize=None)
+def kernel_for(threads: int = REDUCE_THREADS):
+    """The @cuda.jit attention kernel with `threads` (a power of two) per block."""
+    return _make_attention_kernel(threads)
+
+
+def _make_attention_kernel(NT):
+    @cuda.jit
+    def kernel(q, k, v, q_pos, k_pos, causal, window, bf16_probs, scratch, out):
+        # q [nq, nh, hd], k/v [nkv, T, hd], q_pos [nq], k_pos [T] int64, scratch [nq*nh, T] f32,
+        # out [nq, nh, hd] f32. Block-stride loop over (query, head) items.
+        nq, nh, hd = q.shape
+        T = k.shape[1]
+        group = nh // k.shape[0]  # GQA: query head h reads KV head h // group
+        tid = cuda.threadIdx.x
+        q_row = cuda.shared.array(MAX_HEAD_DIM, float32)  # [hd] this item's query
+        red = cuda.shared.array(NT, float32)  # [NT] reduction scratch
+        scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(hd)))
+        neg_inf = np.float32(-math.inf)
+        for item in range(cuda.blockIdx.x, nq * nh, cuda.gridDim.x):
+            i = item // nh
+            h = item - i * nh
+            kvh = h // group
+            qp = q_pos[i]
+            s_row = scratch[item]  # [T]
+            for j in range(tid, hd, NT):
+                q_row[j] = q[i, h, j]
+            cuda.syncthreads()
+
+            # 1. scores and the block max
+            mx = neg_inf
+            for t in range(tid, T, NT):
+                d = qp - k_pos[t]
+                if (causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)):
+                    s_row[t] = neg_inf
+                    continue
+                acc = np.float32(0.0)
+                for j in range(hd):
+                    acc = np.float32(acc + q_row[j] * np.float32(k[kvh, t, j]))
+                acc = np.float32(acc * scale)
+                s_row[t] = acc
+                if acc > mx:
+                    mx = acc
+            red[tid] = mx
+            cuda.syncthreads()
+            width = NT // 2
+            while width > 0:
+                if tid < width and red[tid + width] > red[tid]:
+                    red[tid] = red[tid + width]
+                cuda.syncthreads()
+                width //= 2
+            mx = red[0]
+            cuda.syncthreads()  # everyone has read red[0] before it is reused
+
+            if mx == neg_inf:  # nothing visible (uniform over the block): zero row
+                for j in range(tid, hd, NT):
+                    out[i, h, j] = np.float32(0.0)
+                cuda.syncthreads()
+                continue
+
+            # 2. probabilities (in place) and the block sum
+            total = np.float32(0.0)
+            for t in range(tid, T, NT):
+                s = s_row[t]
+                p = np.float32(0.0)
+                if s != neg_inf:
+                    p = np.float32(math.exp(np.float32(s - mx)))
+                total = np.float32(total + p)
+                if bf16_probs:
+                    p = np.float32(round_bf16(p))
+                s_row[t] = p
+            red[tid] = total
+            cuda.syncthreads()  # also publishes s_row (global memory) to the whole block
+            width = NT // 2
+            while width > 0:
+                if tid < width:
+                    red[tid] = np.float32(red[tid] + red[tid + width])
+                cuda.syncthreads()
+                width //= 2
+            inv = np.float32(1.0) / red[0]
+
+            # 3. weighted sum of V, one output feature per thread
+            for j in range(tid, hd, NT):
+                acc = np.float32(0.0)
+                for t in range(T):
+                    acc = np.float32(acc + s_row[t] * np.float32(v[kvh, t, j]))
+                out[i, h, j] = np.float32(acc * inv)
+            cuda.syncthreads()  # before the next item overwrites q_row / red
+
+    return kernel
+
+
+def attention_cuda(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None,
+                   threads: int = REDUCE_THREADS):
+    """GPU attention; same contract as kernels/attention.attention (f32 in, f32 out)."""
+    q_on_device = is_device_array(q)
+    q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
+    k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
+    if not q_on_device:
+        q = np.ascontiguousarray(q, dtype=np.float32)
+    nq, nh, hd = q.shape
+    if is_device_array(k) or is_device_array(v):
+        _check_device(q, k, v, q_pos, k_pos)
+    else:
+        if k.dtype != np.float32 or v.dtype != np.float32:
+            k, v = k.astype(np.float32), v.astype(np.float32)
+        _check(q, k, v, q_pos, k_pos)
+    if hd > MAX_HEAD_DIM:
+        raise ValueError(f"attention_cuda: head_dim {hd} > {MAX_HEAD_DIM} (the shared q row)")
+    T = k.shape[1]
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    scratch = cuda.device_array((nq * nh, max(T, 1)), dtype=np.float32)  # [nq*nh, T]
+    dout = out if out is not None else cuda.device_array((nq, nh, hd), dtype=np.float32)
+    if nq * nh:
+        kernel_for(threads)[grid_blocks(nq * nh), threads](
+            dq, dk, dv, to_device(q_pos), to_device(k_pos), bool(causal), int(window),
+            bool(bf16_probs), scratch, dout)
+    if q_on_device or out is not None:
+        return dout
+    return dout.copy_to_host()
+
+
+def _check_device(q, k, v, q_pos, k_pos):
+    """The CPU's shape rules for device k / v (which must already be float32)."""
+    if k.dtype != np.float32 or v.dtype != np.float32:
+        raise TypeError(f"attention_cuda: device k / v must be float32, got {k.dtype} / {v.dtype}")
+    nq, nh, hd = q.shape
+    nkv, T, hdk = k.shape
+    if tuple(v.shape) != tuple(k.shape) or hdk != hd:
+        raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} disagree")
+    if nh % nkv:
+        raise ValueError(f"attention: {nh} query heads is not a multiple of {nkv} KV heads")
+    if q_pos.shape != (nq,) or k_pos.shape != (T,):
+        raise ValueError(f"attention: q_pos {q_pos.shape} / k_pos {k_pos.shape}, expected ({nq},) / ({T},)")
