@@ -73,8 +73,13 @@ _conv_bf16 = make_conv_kernel(bf16_to_f32, f32_to_bf16, _first_bf16, _tap_bf16)
 
 
 def kernel_for(dtype):
-    """The @cuda.jit kernel for float32 or uint16 (bf16) tensors."""
-    return _conv_f32 if dtype == np.float32 else _conv_bf16
+    """The @cuda.jit kernel for float32 or uint16 (bf16) tensors (a numpy dtype)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return _conv_f32
+    if dtype == np.uint16:
+        return _conv_bf16
+    raise KernelDTypeError(f"grouped_conv_cuda: dtype {dtype}; expected float32 or uint16 (bf16)")
 
 
 def _check(x, delta, base, group_size, block_len):
