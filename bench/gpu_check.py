@@ -203,7 +203,8 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA device is available (numba.cuda.is_available() is False); "
               "run with --small to exercise the checks on the CUDA simulator", file=sys.stderr)
         return 2
-    where = "CUDA simulator" if SIMULATOR else cuda.get_current_device().name.decode()
+    name = "" if SIMULATOR else cuda.get_current_device().name
+    where = "CUDA simulator" if SIMULATOR else (name.decode() if isinstance(name, bytes) else str(name))
     if SIMULATOR:
         sys.setswitchinterval(5e-5)  # the simulator busy-polls its threads
     print(f"gpu_check on {where} ({'small' if args.small else 'full'} shapes)", flush=True)

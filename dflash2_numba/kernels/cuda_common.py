@@ -7,10 +7,18 @@ shrink there: the kernels use grid-stride / block-stride loops, so the same code
 any grid and block size — only the speed changes.
 """
 
+import warnings
+
 import numpy as np
 from numba import config, cuda
+from numba.core.errors import NumbaPerformanceWarning
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+
+# Decode-size launches (one query x a few heads, a short conv) are small grids by nature; numba
+# would warn "Grid size N will likely result in GPU under-utilization" on every call.
+warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU under-utilization",
+                        category=NumbaPerformanceWarning)
 
 # Threads per block of the block-reduction kernels (linear, attention): a power of two. The
 # kernels are built per thread count (a compile-time constant of their shared arrays), so tests
