@@ -149,3 +149,50 @@ class TapCheckingDrafter:
     def propose(self, state, anchor_id, anchor_pos, n_rows, sampling, rng):
         assert anchor_pos == len(self.ids)
         return self.inner.propose(state, anchor_id, anchor_pos, n_rows, sampling, rng)
+
+
+class SelectorDrafter:
+    """The REAL DFlash2 CandidateSelector (random codebooks / projection) on top of a stand-in
+    block forward: final states h and mask logits z drawn from an RNG keyed by the anchor.
+    Sampling goes through the selector's Gumbel walk and hands its q to the verifier, so a
+    distribution test over this drafter checks that the walk's q is honest end to end (the
+    DFlash2 block forward itself is deterministic and gated elsewhere against a reference).
+    Red when the walk samples from anything but the q it reports (tried: walk at 3x the
+    logits' scale -> p < 1e-3 in both settings). Note that reporting q=None (one-hot) for a
+    sampled draw is NOT a bug: one-hot verification is lossless for any proposal rule that is
+    independent of the verifier's coins, it only accepts less."""
+
+    kind = "dflash2-selector"
+    mask_token_id = -1
+
+    def __init__(self, target, block_size=4, hidden=6, rank=4, top_k=4, seed=0,
+                 output_multiplier=0.7, softcap=3.0):
+        from dflash2_numba.models.selector import CandidateSelector
+
+        rng = np.random.default_rng(seed)
+        V = target.config.vocab_size
+        self.block_size, self.hidden, self.seed = block_size, hidden, seed
+        self.target_layer_ids: list[int] = []
+        self.selector = CandidateSelector(
+            rng.standard_normal((rank, hidden)).astype(np.float32),  # hidden_projection [r, H]
+            rng.standard_normal((V, rank)).astype(np.float32),  # predecessor_codebook [V, r]
+            rng.standard_normal((V, rank)).astype(np.float32),  # successor_codebook [V, r]
+            top_k, output_multiplier, softcap, valid_vocab=valid_vocab(target))
+        self.V = V
+
+    def new_state(self, max_len):
+        return SimpleNamespace(length=0)
+
+    def extend_context(self, state, taps, start_pos, token_ids):
+        assert start_pos == state.length
+        state.length += len(token_ids)
+
+    def propose(self, state, anchor_id, anchor_pos, n_rows, sampling, rng):
+        assert anchor_pos == state.length
+        k = n_rows - 1
+        key = np.random.default_rng([self.seed, int(anchor_id), int(anchor_pos)])
+        h = key.standard_normal((k, self.hidden)).astype(np.float32)  # [k, H]
+        z = (1.5 * key.standard_normal((k, self.V))).astype(np.float32)  # [k, V]
+        positions = np.arange(anchor_pos + 1, anchor_pos + 1 + k)
+        ids, q, info = self.selector.select(h, z, int(anchor_id), positions, sampling, rng)
+        return Proposal(ids, q, info)

@@ -23,7 +23,7 @@ from dflash2_numba.decode.sampling import (SamplingParams, greedy_token, mask_pa
                                            target_probs, verify_block)
 from dflash2_numba.errors import GenerationArgumentError
 
-from decode_doubles import HashTarget, RandomDrafter
+from decode_doubles import HashTarget, RandomDrafter, SelectorDrafter
 
 
 # ---------------------------------------------------------------- chi-square helpers
@@ -193,6 +193,8 @@ DRAFTERS = {
     "oracle-hot-q": lambda t: OracleDrafter(t, block_size=4, mode="sample", temperature_scale=2.5),
     "random-uniform-q": lambda t: RandomDrafter(t, block_size=4, seed=5),
     "greedy-one-hot": lambda t: OracleDrafter(t, block_size=4, mode="greedy"),
+    # the real DFlash2 selector's Gumbel walk and its q (tests/decode_doubles.SelectorDrafter)
+    "dflash2-selector-walk": lambda t: SelectorDrafter(t, block_size=4, seed=3),
 }
 
 
