@@ -83,7 +83,8 @@ class DFlashDraft:
     def new_state(self, max_len: int) -> KVCache:
         """Context K/V of positions 0..length-1 per draft layer, with room for a block past them."""
         c = self.config
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len + c.block_size)
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len + c.block_size,
+                       zeros=getattr(self.ops, "zeros", np.zeros))
 
     def extend_context(self, state: KVCache, taps, start_pos: int, token_ids) -> None:
         """Append context K/V of committed tokens start_pos..start_pos+n-1 from their target taps

@@ -33,12 +33,17 @@ class KVCache:
 
     Positions >= length are scratch: `forward` writes there, then bumps `length`; `crop(n)`
     just lowers `length` (rejected drafts are overwritten by the next forward). The buffer
-    doubles when a forward would run past max_len."""
+    doubles when a forward would run past max_len.
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int = 256):
+    `zeros` allocates the buffers: `np.zeros` on the CPU, `ops.zeros` (a device-resident
+    DeviceBuffer) on CUDA, so the cache stays on the GPU across steps without a model fork."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int = 256,
+                 zeros=np.zeros):
         shape = (num_layers, num_kv_heads, max(1, int(max_len)), head_dim)
-        self.k = np.zeros(shape, dtype=np.float32)
-        self.v = np.zeros(shape, dtype=np.float32)
+        self.zeros = zeros
+        self.k = zeros(shape, dtype=np.float32)
+        self.v = zeros(shape, dtype=np.float32)
         self.length = 0
 
     @property
@@ -53,7 +58,7 @@ class KVCache:
         new_len = max(need, 2 * self.max_len)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = np.zeros(old.shape[:2] + (new_len,) + old.shape[3:], dtype=np.float32)
+            new = self.zeros(old.shape[:2] + (new_len,) + old.shape[3:], dtype=np.float32)
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
 
@@ -113,7 +118,8 @@ class TargetModel:
     # ------------------------------------------------------------------ pieces (also used by drafts)
     def new_cache(self, max_len: int = 256) -> KVCache:
         c = self.config
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len)
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len,
+                       zeros=getattr(self.ops, "zeros", np.zeros))
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids [n] -> [n, H] f32 (bf16 embeddings are exact in f32)."""
