@@ -159,6 +159,7 @@ def generate(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_i
             click.echo(step.text, nl=False)
     if json_dest != "-":
         click.echo("")
+        sys.stdout.flush()  # the text's last line before the stats block on stderr
 
     if baseline:
         base = run_generate(target, None, **dict(kwargs, block_size=None))
