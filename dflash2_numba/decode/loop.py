@@ -94,6 +94,16 @@ def _pick(row: np.ndarray, sampling: SamplingParams, rng) -> int:
     return sample_token(target_probs(row, sampling), rng)
 
 
+def runtime_block_size(draft, block_size: int | None) -> int:
+    """Runtime Q (anchor + draft rows): the draft's trained B unless the user asks for fewer."""
+    B = int(draft.block_size)
+    Q = B if block_size is None else block_size
+    if int(Q) != Q or not 2 <= Q <= B:
+        raise GenerationArgumentError(
+            f"block_size must be an integer in 2..{B} (the draft's trained block size), got {block_size!r}")
+    return int(Q)
+
+
 def stream_generate(target, draft, prompt: str | None = None, *, max_new_tokens: int = 128,
                     block_size: int | None = None, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int | None = None,
@@ -105,15 +115,7 @@ def stream_generate(target, draft, prompt: str | None = None, *, max_new_tokens:
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise GenerationArgumentError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if draft is None:
-        Q = 1
-    else:
-        B = int(draft.block_size)
-        Q = B if block_size is None else block_size
-        if int(Q) != Q or not 2 <= Q <= B:
-            raise GenerationArgumentError(
-                f"block_size must be an integer in 2..{B} (the draft's trained block size), got {block_size!r}")
-        Q = int(Q)
+    Q = 1 if draft is None else runtime_block_size(draft, block_size)
     ids = resolve_prompt_ids(target, prompt, prompt_ids, chat)
     return _run(target, draft, ids, int(max_new_tokens), Q, sampling, stop_token_ids)
 
@@ -223,12 +225,7 @@ def propose_once(target, draft, prompt: str | None = None, *, block_size: int | 
     pick the anchor from the last prompt row, feed the prompt taps to the draft, propose.
     Returns {"anchor", "anchor_position", "positions", "draft_ids", "slots", ...info}."""
     sampling = SamplingParams(temperature, top_k, top_p, seed)
-    B = int(draft.block_size)
-    Q = B if block_size is None else block_size
-    if int(Q) != Q or not 2 <= Q <= B:
-        raise GenerationArgumentError(
-            f"block_size must be an integer in 2..{B} (the draft's trained block size), got {block_size!r}")
-    Q = int(Q)
+    Q = runtime_block_size(draft, block_size)
     ids = resolve_prompt_ids(target, prompt, prompt_ids, chat)
     n, rng = len(ids), sampling.rng()
     cache = target.new_cache(n + Q)
