@@ -24,6 +24,30 @@ DECODER_SECTION = """\
 """
 
 
+def main() -> None:
+    """Re-render the card from a results.json: python -m training.model_card [results] [card]."""
+    results = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "out" / "results.json"
+    card = (Path(sys.argv[2]) if len(sys.argv) > 2
+            else Path(__file__).resolve().parent.parent / "dflash2_numba" / "assets" / "default" / "MODEL_CARD.md")
+    write(card, json.loads(results.read_text()))
+
+
+def _samples(samples: list[dict]) -> list[str]:
+    """The target's greedy output for a few held-out prompts (prompt tail shown)."""
+    if not samples:
+        return []
+    fence = "`" * 3
+    lines = ["## What the target writes", "",
+             "Greedy continuations of held-out prompts (last lines of the prompt, then `# >>> output`).",
+             "A 4-layer model trained for minutes on a few million tokens: syntax-shaped, repetitive,",
+             "often wrong.", ""]
+    for smp in samples:
+        tail = "".join(smp["prompt"].splitlines(keepends=True)[-6:])
+        lines += [f"`{smp['file']}`:", "", fence + "python", tail.rstrip("\n"), "# >>> output",
+                  smp["output"].rstrip("\n").replace(fence, "'" * 3), fence, ""]
+    return lines
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -36,8 +60,11 @@ def _files(out: Path) -> list[tuple[str, int, str]]:
     return rows
 
 
-def write(path: Path, results: dict, args, tok, eos_id: int, mask_id: int, n_real: int) -> None:
+def write(path: Path, results: dict) -> None:
     out = path.parent
+    ids = results["tokens"]
+    eos_id, mask_id, n_real = ids["eos_id"], ids["mask_id"], ids["n_real"]
+    c = results["corpus"]
     k = results["config"]["knobs"]
     d2, d1 = results["drafts"]["dflash2"], results["drafts"]["dflash"]
     files = _files(out)
@@ -68,8 +95,9 @@ def write(path: Path, results: dict, args, tok, eos_id: int, mask_id: int, n_rea
         f"  `<|mask|>` = {mask_id}); `vocab_size` is padded to {results['config']['vocab_size']} (ids >= {n_real}",
         "  are padding and must never be emitted). No chat template (a base code model).",
         f"  `generation_config.json` `eos_token_id` is a list: [{eos_id}].",
-        "- `dflash2/`: `DFlash2DraftModel`, 2 layers of the target's shape, block size 8, full",
-        f"  non-causal attention. dflash_config: `{json.dumps(cfg2, sort_keys=True)}`.",
+        "- `dflash2/`: `DFlash2DraftModel`, 2 layers (hidden 256, 8 / 4 heads, head_dim 32,",
+        "  intermediate 512 — narrower than the target's 768), block size 8, full non-causal",
+        f"  attention. dflash_config: `{json.dumps(cfg2, sort_keys=True)}`.",
         "- `dflash/`: `DFlashDraftModel`, the same shape without conv and selector; its config uses",
         "  the older published v1 spelling (flat `block_size`, flat `rope_theta`).",
         "",
@@ -83,9 +111,11 @@ def write(path: Path, results: dict, args, tok, eos_id: int, mask_id: int, n_rea
         "The running interpreter's standard library (`sysconfig.get_paths()['stdlib']`, "
         f"Python {platform.python_version()}), `**/*.py` without tests (`test/`, `tests/`,",
         "`idlelib/idle_test/`, `test_*.py`) and without `site-packages`. Split by sha256 of the relative",
-        "path: 5% held out. The held-out files are never seen by the tokenizer, the target or the",
-        "drafts; the 64 prompts in `bench/data/heldout_prompts.json` come from them (each starts with",
-        "a `# file: <path>` comment naming its source).",
+        f"path: 5% held out — {c['train_files']} train files ({c['train_tokens']:,} tokens), "
+        f"{c['heldout_files']} held-out files ({c['heldout_tokens']:,} tokens).",
+        "The held-out files are never seen by the tokenizer, the target or the drafts; the",
+        f"{len(results['prompt_files'])} prompts in `bench/data/heldout_prompts.json` come from them (each",
+        "starts with a `# file: <path>` comment naming its source; 48-128 tokens each).",
         "",
         "## Recipe",
         "",
@@ -99,7 +129,7 @@ def write(path: Path, results: dict, args, tok, eos_id: int, mask_id: int, n_rea
         "and every number below is measured with the rounded (shipped) weights.",
         "",
         f"1. Target: {k['target_steps']} AdamW steps of {k['target_batch']} x {k['seq_len']} tokens "
-        "(peak lr 3e-3, warmup + cosine), next-token CE on the packed train split.",
+        f"(peak lr {results['config']['target_lr']:g}, warmup + cosine), next-token CE on the packed train split.",
         f"2. Distillation data: {k['distill_n']} random spans of train files (prompt lengths "
         f"{k['prompt_lengths']}), each continued by {k['distill_new']} greedy target tokens; target",
         "   taps for every position.",
@@ -128,11 +158,17 @@ def write(path: Path, results: dict, args, tok, eos_id: int, mask_id: int, n_rea
         f"prompts, max {sim(d2)['max_new_tokens']} new tokens, Q = 8, stop at `<|endoftext|>`:",
         f"DFlash2 tau = {sim(d2)['tau_over_steps']:.3f} over {sim(d2)['steps']} steps; "
         f"DFlash tau = {sim(d1)['tau_over_steps']:.3f} over {sim(d1)['steps']} steps",
-        "(per-prompt acceptance lengths in `training/out/results.json` after a run).",
+        "(per-prompt acceptance lengths in `training/out/results.json` after a run). The replay averages over",
+        "steps, which land more often in hard regions than the per-position teacher-forced average.",
         "",
+        *_samples(results.get("samples", [])),
         "Wall time on the 2-core development machine (shared): "
         + ", ".join(f"{name[:-2]} {sec / 60:.1f} min" for name, sec in t.items()) + ".",
         "",
         DECODER_SECTION,
     ]
     path.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,7 @@ the conv, one block at a time for the batched attention layout, explicit sums fo
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -250,3 +251,31 @@ def test_split_and_exclusions():
     held = [f for f in files if corpus.split_of(f) == "heldout"]
     assert 0.02 < len(held) / len(files) < 0.09  # ~5% by hash
     assert corpus.split_of("json/tool.py") == corpus.split_of("json/tool.py")
+
+
+ASSETS = Path(os.environ.get("DFLASH2_TRAIN_ASSETS", Path(__file__).resolve().parent.parent / "dflash2_numba" / "assets" / "default"))
+
+
+@pytest.mark.skipif(not (ASSETS / "dflash2" / "config.json").exists(), reason="no trained assets yet")
+def test_shipped_assets_load_through_the_package():
+    """The shipped directories pass the package's own config resolution, pairing checks and
+    tensor inventories (names, shapes), and the drafts are bf16."""
+    from dflash2_numba.checkpoint import open_checkpoint
+    from dflash2_numba.config import (check_pairing, expected_draft_tensors, expected_target_tensors,
+                                      load_draft_config, load_target_config)
+    tcfg = load_target_config(ASSETS / "target")
+    tck = open_checkpoint(ASSETS / "target")
+    expected = expected_target_tensors(tcfg)
+    tck.require(expected, expected.optional)
+    gen = json.loads((ASSETS / "target" / "generation_config.json").read_text())
+    assert isinstance(gen["eos_token_id"], list)
+    assert "chat_template" not in json.loads((ASSETS / "target" / "tokenizer_config.json").read_text())
+    for kind in ("dflash2", "dflash"):
+        dcfg = load_draft_config(ASSETS / kind, tcfg)
+        check_pairing(dcfg, tcfg)
+        assert dcfg.kind == kind and dcfg.layer_causal == [False] * dcfg.num_hidden_layers
+        ck = open_checkpoint(ASSETS / kind)
+        want = expected_draft_tensors(dcfg, tcfg.vocab_size)
+        ck.require(want, want.optional)
+        assert ck.names() == sorted(want), "extra tensors in the shipped draft"
+        assert {ck.info(n).dtype for n in ck.names()} == {"BF16"}

@@ -36,13 +36,13 @@ N_MERGED = 4000  # BPE entries; + <|endoftext|> 4000, <|mask|> 4001; config voca
 VOCAB_SIZE = 4096
 TAP_LAYERS = [0, 2, 3]  # residual stream after target layers 0, 2, 3 (hidden_states[1, 3, 4])
 BLOCK = 8
-TARGET_LR = 3e-3
+TARGET_LR = 5e-3
 DRAFT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=32)
 V2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=16,
           input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=10.0)
-FULL = dict(target_steps=240, target_batch=16, seq_len=256, distill_n=1536, distill_new=96,
-            prompt_lengths=[32, 48, 64, 96], heldout_n=96, draft_steps=280, draft_batch=16,
+FULL = dict(target_steps=1200, target_batch=8, seq_len=256, distill_n=1536, distill_new=96,
+            prompt_lengths=[32, 48, 64, 96], heldout_n=96, draft_steps=400, draft_batch=16,
             draft_anchors=16, bench_prompts=64, bench_new=128)
 SMOKE = dict(target_steps=6, target_batch=4, seq_len=128, distill_n=32, distill_new=24,
              prompt_lengths=[32, 48], heldout_n=4, draft_steps=4, draft_batch=4,
@@ -151,10 +151,14 @@ def main(argv=None) -> None:
     # ---- drafts
     results: dict = {"config": {"knobs": knobs, "tap_layers": TAP_LAYERS, "block_size": BLOCK,
                                 "draft_shape": DRAFT_SHAPE, "dflash2": V2, "seed": args.seed,
-                                "threads": args.threads, "vocab_size": VOCAB_SIZE},
+                                "threads": args.threads, "vocab_size": VOCAB_SIZE,
+                                "target_lr": TARGET_LR},
                      "target": {"heldout_loss": held_loss,
                                 "final_train_loss": (sum(target_losses[-25:]) / len(target_losses[-25:])
                                                      if target_losses else None)},
+                     "corpus": {"train_files": len(split["train"]), "heldout_files": len(split["heldout"]),
+                                "train_tokens": len(train_stream), "heldout_tokens": len(held_stream)},
+                     "tokens": {"eos_id": eos_id, "mask_id": mask_id, "n_real": n_real},
                      "drafts": {}}
     drafts = {}
     for i, kind in enumerate(("dflash2", "dflash")):
@@ -182,10 +186,13 @@ def main(argv=None) -> None:
     args.prompts_out.parent.mkdir(parents=True, exist_ok=True)
     args.prompts_out.write_text(json.dumps([p["text"] for p in prompts], indent=1) + "\n")
     sim = {kind: [] for kind in drafts}
-    for p in prompts:
+    samples = []
+    for i, p in enumerate(prompts):
         ids = tok.encode(p["text"]).ids
         full, taps = evaluate.greedy_reference(target, ids, knobs["bench_new"], {eos_id},
                                                TAP_LAYERS, vocab_mask)
+        if i < 3:  # what the target writes, for the model card
+            samples.append({"file": p["file"], "prompt": p["text"], "output": tok.decode(full[len(ids):].tolist())})
         for kind, model in drafts.items():
             r = evaluate.simulate_decode(model, embed, full, taps, len(ids), knobs["bench_new"], BLOCK)
             sim[kind].append({"file": p["file"], **r})
@@ -197,6 +204,7 @@ def main(argv=None) -> None:
         log(f"{kind}: simulated greedy decode of {len(prompts)} held-out prompts: tau "
             f"{sum(steps) / len(steps):.3f} over {len(steps)} steps")
     results["simulated_per_prompt"] = sim
+    results["samples"] = samples
     evaluate.write_crosscheck(args.work / "crosscheck.npz", target, drafts, embed,
                               tok.encode(prompts[0]["text"]).ids, knobs["bench_new"],
                               anchors_after=[0, 17], Qs=[BLOCK, 5], vocab_mask=vocab_mask)
@@ -205,7 +213,7 @@ def main(argv=None) -> None:
     results["timings"] = timings
     results["prompt_files"] = [p["file"] for p in prompts]
     (args.work / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    model_card.write(args.out / "MODEL_CARD.md", results, args, tok, eos_id, mask_id, n_real)
+    model_card.write(args.out / "MODEL_CARD.md", results)
     log(f"done in {timings['total_s'] / 60:.1f} min")
 
 
