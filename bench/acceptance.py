@@ -18,7 +18,8 @@ Figures (definitions of decode/stats.py, pooled over all prompts):
 - histogram[i]: steps whose acceptance length is i+1, for 1..Q;
 - per position j: of the steps that offered draft slot j, the fraction that accepted it;
 - tok/s: generated tokens after the first / decode seconds (the prefill, which differs only in
-  the taps it keeps, is excluded); speedup = tok/s over target-only tok/s of this run.
+  the taps it keeps, is excluded); speedup = tok/s over target-only tok/s of this run;
+- draft%: the drafter's share of decode seconds (context extension + proposals).
 
 numba runs single-threaded by default: the bench machine has 2 shared cores, and a parallel
 kernel that loses a core to another process waits on it at every barrier.
@@ -92,7 +93,7 @@ class Agg:
         self.lengths: list[int] = []  # acceptance length per step, all prompts
         self.rows: list[int] = []  # rows verified per step (Bv)
         self.new_tokens = self.decode_tokens = 0
-        self.decode_s = self.prefill_s = 0.0
+        self.decode_s = self.prefill_s = self.draft_s = self.verify_s = 0.0
         self.per_prompt: list[dict] = []
         self.mismatches = 0
 
@@ -104,6 +105,8 @@ class Agg:
         self.decode_tokens += s.new_tokens - 1  # the first token comes from the prefill
         self.decode_s += s.decode_s
         self.prefill_s += s.prefill_s
+        self.draft_s += s.draft_s  # drafter share of decode_s (context extension + proposals)
+        self.verify_s += s.verify_s  # target verify forwards + acceptance
         self.mismatches += not matched
         self.per_prompt.append({"prompt": i, "tau": s.tau, "matched": matched, "steps": s.steps,
                                 "new_tokens": s.new_tokens, "decode_s": s.decode_s,
@@ -137,7 +140,8 @@ class Agg:
                 "acceptance_histogram": self.histogram, "per_position_acceptance": self.per_position,
                 "steps": len(self.lengths), "new_tokens": self.new_tokens,
                 "decode_tokens": self.decode_tokens, "decode_s": self.decode_s,
-                "prefill_s": self.prefill_s, "tokens_per_s": self.tokens_per_s,
+                "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
+                "tokens_per_s": self.tokens_per_s,
                 "speedup": self.tokens_per_s / base_tps if base_tps > 0 else None,
                 "mismatches": self.mismatches, "per_prompt": self.per_prompt}
 
@@ -227,14 +231,14 @@ def run(args) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'config':<14} {'tau':>6} {'tok/s':>8} {'speedup':>7} {'match':>7}  "
+    lines = [f"{'config':<14} {'tau':>6} {'tok/s':>8} {'speedup':>7} {'draft%':>6} {'match':>7}  "
              "histogram 1..Q | per-position acceptance"]
     n = result["settings"]["n_prompts"]
     for c in result["configs"]:
         pos = " ".join("-" if r is None else f"{r:.2f}" for r in c["per_position_acceptance"])
         hist = " ".join(map(str, c["acceptance_histogram"]))
         lines.append(f"{c['name']:<14} {c['tau']:6.3f} {c['tokens_per_s']:8.1f} "
-                     f"{c['speedup']:6.2f}x {n - c['mismatches']:>3}/{n:<3}  "
+                     f"{c['speedup']:6.2f}x {100 * c['draft_s'] / c['decode_s']:5.0f}% {n - c['mismatches']:>3}/{n:<3}  "
                      + (f"{hist} | {pos}" if c["block_size"] > 1 else "-"))
     for Q, d in result["dflash2_minus_dflash_tau"].items():
         lines.append(f"tau(DFlash2) - tau(DFlash) at Q={Q}: {d:+.3f}")
