@@ -13,7 +13,7 @@ from dflash2_numba.numerics import round_bf16_array
 @pytest.fixture(params=["serial", "parallel"], autouse=True)
 def driver(request, monkeypatch):
     """Run every case through both numba drivers (the size threshold is forced)."""
-    monkeypatch.setattr(attention_module, "PARALLEL_MIN_MACS", 0 if request.param == "parallel" else 1 << 62)
+    monkeypatch.setattr(attention_module, "use_parallel", lambda macs: request.param == "parallel")
     return request.param
 
 

@@ -17,7 +17,7 @@ from dflash2_numba.numerics import f32_to_bf16_array
 @pytest.fixture(params=["serial", "parallel"], autouse=True)
 def driver(request, monkeypatch):
     """Run every case through both numba drivers (the size threshold is forced)."""
-    monkeypatch.setattr(linear_module, "PARALLEL_MIN_MACS", 0 if request.param == "parallel" else 1 << 62)
+    monkeypatch.setattr(linear_module, "use_parallel", lambda macs: request.param == "parallel")
     return request.param
 
 

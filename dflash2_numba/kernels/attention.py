@@ -27,11 +27,11 @@ Callers:
 """
 
 import numpy as np
+from .linear import use_parallel  # same threading policy as the GEMV
 from numba import njit, prange
 
 from ..numerics import round_bf16, round_bf16_array
 
-PARALLEL_MIN_MACS = 1 << 18  # less work than this (nq*nh*hd*T) runs on one thread
 
 
 def _check(q, k, v, q_pos, k_pos):
@@ -146,6 +146,6 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     _check(q, k, v, q_pos, k_pos)
     if out is None:
         out = np.empty(q.shape, dtype=np.float32)
-    kernel = _attention_par if q.size * k.shape[1] >= PARALLEL_MIN_MACS else _attention_ser
+    kernel = _attention_par if use_parallel(q.size * k.shape[1]) else _attention_ser
     kernel(q, k, v, q_pos, k_pos, bool(causal), int(window), bool(bf16_probs), out)
     return out

@@ -14,6 +14,7 @@ float16 weights (rare) always take the chunked numpy path: numba's CPU float16 s
 `linear_reference` is the plain-numpy definition the kernels are tested against.
 """
 
+import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
@@ -24,6 +25,12 @@ GEMV_MAX_ROWS = 32  # rows of x up to which the numba kernel is used
 ROW_BLOCK = 16  # output rows per parallel work item (amortises scratch allocation)
 CHUNK_BYTES = 8 << 20  # f32 scratch per chunk on the BLAS path
 PARALLEL_MIN_MACS = 1 << 18  # smaller products run on one thread
+
+
+def use_parallel(macs: int) -> bool:
+    """The prange driver only pays when there is work AND more than one numba thread: with one
+    thread its fork/join overhead (tens of us per call) is pure loss on decode-size products."""
+    return macs >= PARALLEL_MIN_MACS and numba.get_num_threads() > 1
 
 
 def linear_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -185,7 +192,7 @@ def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.nd
         return _linear_chunked(x, w, y)
     if not w.flags.c_contiguous:  # memmap views are contiguous; anything else is copied once
         w = np.ascontiguousarray(w)
-    parallel = M * N * K >= PARALLEL_MIN_MACS
+    parallel = use_parallel(M * N * K)
     if M == 1:
         (_gemv1_par if parallel else _gemv1_ser)(x, w, y)
     else:
