@@ -42,7 +42,7 @@ DRAFT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
 V2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=16,
           input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=10.0)
 FULL = dict(target_steps=1200, target_batch=8, seq_len=256, distill_n=1536, distill_new=96,
-            prompt_lengths=[32, 48, 64, 96], heldout_n=96, draft_steps=400, draft_batch=16,
+            prompt_lengths=[32, 48, 64, 96], heldout_n=96, draft_steps=1000, draft_batch=16,
             draft_anchors=16, bench_prompts=64, bench_new=128)
 SMOKE = dict(target_steps=6, target_batch=4, seq_len=128, distill_n=32, distill_new=24,
              prompt_lengths=[32, 48], heldout_n=4, draft_steps=4, draft_batch=4,
