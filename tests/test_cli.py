@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 
-import numba
 import pytest
 from click.testing import CliRunner
 
@@ -16,12 +15,7 @@ from dflash2_numba import tiny
 from dflash2_numba.cli import main
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)  # tiny models: thread wake-ups would dominate
-    yield
-    numba.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

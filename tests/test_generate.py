@@ -4,7 +4,6 @@ config.json, generation_config.json) inclusive, seeds, padded ids, text streamin
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import pytest
 
@@ -14,12 +13,7 @@ from dflash2_numba import tiny
 from decode_doubles import greedy_reference
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)  # tiny models: thread wake-ups would dominate
-    yield
-    numba.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
