@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+import dflash2_numba as dn
 from safetensors.torch import load_file
 
 
@@ -137,3 +139,24 @@ class DraftReference:
             h = h + y
         hn = rms(h, W["norm.weight"], self.eps)  # [Q, H]
         return hn, hn[1:] @ self.head.T  # [Q, H], [Q-1, V]
+
+
+# ---------------------------------------------------------------- end-to-end checks shared by v1 and v2
+def check_greedy_equals_target_only(target, draft, block_sizes=(2, 3, 5, 8), n_new=40):
+    """Greedy speculative output == target-only output for every runtime Q (and Q is used)."""
+    prompt = np.random.default_rng(4).integers(0, target.valid_vocab, 9).tolist()
+    ref = dn.generate(target, None, prompt_ids=prompt, max_new_tokens=n_new)
+    assert ref.finish_reason == "length"  # no early stop: every Q runs many steps
+    for Q in block_sizes:
+        out = dn.generate(target, draft, prompt_ids=prompt, max_new_tokens=n_new, block_size=Q)
+        assert out.output_ids == ref.output_ids and out.finish_reason == ref.finish_reason, Q
+        assert max(out.stats.block_rows) == Q
+
+
+def check_seeded_sampling(target, draft):
+    """Sampling goes through the draft's q (losslessness itself is tested in test_sampling)."""
+    runs = [dn.generate(target, draft, prompt_ids=[5, 6, 7], max_new_tokens=20, block_size=4,
+                        temperature=0.8, top_k=20, seed=11).output_ids for _ in range(2)]
+    assert runs[0] == runs[1]  # seeded: reproducible
+    assert len(runs[0]) == 20 or runs[0][-1] in target.tokenizer.stop_ids(())
+    assert all(0 <= t < target.valid_vocab for t in runs[0])

@@ -21,7 +21,7 @@ from dflash2_numba.decode.sampling import SamplingParams, target_probs
 from dflash2_numba.errors import GenerationArgumentError, PairingError
 from dflash2_numba.models.draft import DFlashDraft
 
-from draft_reference import DraftReference
+from draft_reference import DraftReference, check_greedy_equals_target_only, check_seeded_sampling
 
 H = 64
 P = 11  # context length (committed tokens before the anchor)
@@ -199,21 +199,8 @@ def test_pairing_refusals(tmp_path, target_dir, target):
 
 
 def test_greedy_speculative_equals_target_only(tmp_path, target_dir, target):
-    draft = dn.load_draft(write_v1(tmp_path, target_dir, "e2e", **VARIANTS["window3-causal"]), target)
-    prompt = np.random.default_rng(4).integers(0, target.valid_vocab, 9).tolist()
-    ref = dn.generate(target, None, prompt_ids=prompt, max_new_tokens=40)
-    assert ref.finish_reason == "length"  # 40 tokens, no early stop: every Q runs many steps
-    for Q in (2, 3, 5, 8):
-        out = dn.generate(target, draft, prompt_ids=prompt, max_new_tokens=40, block_size=Q)
-        assert out.output_ids == ref.output_ids and out.finish_reason == ref.finish_reason, Q
-        assert max(out.stats.block_rows) == Q
+    check_greedy_equals_target_only(target, dn.load_draft(write_v1(tmp_path, target_dir, "e2e", **VARIANTS["window3-causal"]), target))
 
 
 def test_sampled_generation_runs_with_draft_q(tmp_path, target_dir, target):
-    """Sampling goes through the draft's q (losslessness itself is tested in test_sampling)."""
-    draft = dn.load_draft(write_v1(tmp_path, target_dir, "s", **VARIANTS["full-causal"]), target)
-    runs = [dn.generate(target, draft, prompt_ids=[5, 6, 7], max_new_tokens=20, block_size=4,
-                        temperature=0.8, top_k=20, seed=11).output_ids for _ in range(2)]
-    assert runs[0] == runs[1]  # seeded: reproducible
-    assert len(runs[0]) == 20 or runs[0][-1] in target.tokenizer.stop_ids(())
-    assert all(0 <= t < target.valid_vocab for t in runs[0])
+    check_seeded_sampling(target, dn.load_draft(write_v1(tmp_path, target_dir, "s", **VARIANTS["full-causal"]), target))
