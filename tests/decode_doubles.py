@@ -151,7 +151,7 @@ class TapCheckingDrafter:
         return self.inner.propose(state, anchor_id, anchor_pos, n_rows, sampling, rng)
 
 
-class SelectorDrafter:
+class SelectorDrafter(RandomDrafter):  # inherits only the context bookkeeping
     """The REAL DFlash2 CandidateSelector (random codebooks / projection) on top of a stand-in
     block forward: final states h and mask logits z drawn from an RNG keyed by the anchor.
     Sampling goes through the selector's Gumbel walk and hands its q to the verifier, so a
@@ -179,13 +179,6 @@ class SelectorDrafter:
             rng.standard_normal((V, rank)).astype(np.float32),  # successor_codebook [V, r]
             top_k, output_multiplier, softcap, valid_vocab=valid_vocab(target))
         self.V = V
-
-    def new_state(self, max_len):
-        return SimpleNamespace(length=0)
-
-    def extend_context(self, state, taps, start_pos, token_ids):
-        assert start_pos == state.length
-        state.length += len(token_ids)
 
     def propose(self, state, anchor_id, anchor_pos, n_rows, sampling, rng):
         assert anchor_pos == state.length
