@@ -17,6 +17,13 @@ def driver(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["rows", "transposed"], autouse=True)
+def loop_order(request, monkeypatch):
+    """...and through both loop orders (the row-count threshold is forced)."""
+    monkeypatch.setattr(attention_module, "TRANSPOSE_MIN_ROWS", 1 if request.param == "transposed" else 10**9)
+    return request.param
+
+
 def brute(q, k, v, q_pos, k_pos, causal, window):
     """float64 loops, one (query, head) at a time."""
     nq, nh, hd = q.shape
@@ -42,7 +49,8 @@ def case(rng, nq, nh, nkv, hd, T):
     return q, k, v
 
 
-TARGET = [(1, 4, 4, 16, 1), (1, 4, 2, 16, 37), (4, 8, 2, 16, 24), (16, 8, 1, 32, 40), (20, 4, 2, 8, 20)]
+TARGET = [(1, 4, 4, 16, 1), (1, 4, 2, 16, 37), (4, 8, 2, 16, 24), (16, 8, 1, 32, 40), (20, 4, 2, 8, 20),
+          (8, 4, 2, 6, 20), (3, 4, 1, 5, 11)]  # hd % 4 = 2 and 1: the transposed loop's tail
 
 
 @pytest.mark.parametrize("nq,nh,nkv,hd,T", TARGET)
@@ -109,3 +117,14 @@ def test_shape_errors():
     q, k, v = case(np.random.default_rng(0), 2, 3, 2, 8, 4)
     with pytest.raises(ValueError, match="multiple"):
         attention(q, k, v, np.arange(2), np.arange(4))
+
+
+def test_vectorised_exp_within_two_ulp_of_libm():
+    """The kernels' expf (attention._exp_shifted) against numpy's float32 exp on [-87, 0]."""
+    x = np.concatenate([np.linspace(-87, 0, 20001, dtype=np.float32),
+                        -np.random.default_rng(7).exponential(3.0, 5000).astype(np.float32).clip(0, 87)])
+    got = x.copy()
+    attention_module._exp_shifted(got, x.shape[0], np.float32(0.0))
+    want = np.exp(x)
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 2, ulps.max()

@@ -334,40 +334,27 @@ def test_greedy_decode_on_cuda_equals_cpu(tiny_pair):
 
 
 def test_target_with_device_resident_kv_cache(tiny_pair):
-    """The smallest model change for device-resident caches — KVCache allocating through
-    `ops.zeros` — works with the unchanged target forward: prefill, crop, verify block; logits
-    equal those of the host-cache run on the same ops and close to the CPU."""
+    """The target's own cache on the cuda ops is device-resident (KVCache allocates through
+    `ops.zeros`) and works with the unchanged forward: prefill growing past max_len (reserve
+    copies on the device), crop, verify block; logits equal those of a host-cache run on the
+    same ops and are close to the CPU's."""
     import dflash2_numba as dn
     from dflash2_numba.models.target import KVCache
-
-    class DeviceKVCache(KVCache):  # = KVCache with np.zeros replaced by ops.zeros
-        def __init__(self, ops, num_layers, nkv, hd, max_len):
-            self.zeros = ops.zeros
-            self.k = ops.zeros((num_layers, nkv, max_len, hd))
-            self.v = ops.zeros((num_layers, nkv, max_len, hd))
-            self.length = 0
-
-        def reserve(self, n):
-            need = self.length + n
-            if need > self.max_len:
-                for name in ("k", "v"):
-                    old = getattr(self, name)
-                    new = self.zeros(old.shape[:2] + (max(need, 2 * self.max_len),) + old.shape[3:])
-                    new[:, :, : self.length] = old[:, :, : self.length]
-                    setattr(self, name, new)
 
     t, _ = tiny_pair
     gpu, cpu = dn.load_target(t, device="cuda"), dn.load_target(t)
     c = gpu.config
-    caches = {"device": DeviceKVCache(gpu.ops, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 2),
-              "host": gpu.new_cache(2), "cpu": cpu.new_cache(2)}
+    caches = {"device": gpu.new_cache(2),
+              "host": KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 2, zeros=np.zeros),
+              "cpu": cpu.new_cache(2)}
     logits = {}
     for name, cache in caches.items():
         model = cpu if name == "cpu" else gpu
         model.forward(np.array([5, 6, 7]), cache)  # grows past max_len 2: reserve copies
         cache.crop(2)  # reject position 2
         logits[name], _ = model.forward(np.array([9, 4]), cache)  # overwrites position 2
-    assert not isinstance(caches["device"].k, np.ndarray)
+    assert not isinstance(caches["device"].k, np.ndarray) and isinstance(caches["host"].k, np.ndarray)
+    assert caches["device"].k.shape == caches["device"].v.shape
     np.testing.assert_allclose(logits["device"], logits["host"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(logits["device"], logits["cpu"], rtol=1e-4, atol=1e-4)
 

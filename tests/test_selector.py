@@ -156,6 +156,21 @@ def test_topk_boundary_tie_takes_lowest_ids():
     assert vals[0].tolist() == [5.0, 5.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("K", [1, 16, 64])
+def test_topk_kernel_on_a_real_vocab_against_sorting(K):
+    """V = 4096 rows (bf16-like coarse values: many ties, some -inf, NaN and padding ids)."""
+    rng = np.random.default_rng(K)
+    V, valid = 4096, 4000
+    sel, _ = random_selector(K, V=V, K=K, valid=valid)
+    z = np.round(rng.standard_normal((6, V)) * 4).astype(np.float32)
+    z[1, rng.integers(0, V, 500)] = np.nan
+    z[2, : V - 10] = -np.inf  # fewer finite ids than K for K = 16, 64
+    z[3, valid:] = 1e9  # padding ids hold the best logits
+    ids, vals = sel.candidates(z)
+    for l in range(z.shape[0]):
+        assert ids[l].tolist() == ref_topk(z[l], K, valid), l
+
+
 # ---------------------------------------------------------------- scalars (§4.3)
 def test_scalars_order_and_f32():
     rng = np.random.default_rng(2)

@@ -1,8 +1,12 @@
 """Scaled dot-product attention of a block of queries over a key set (DESIGN §2.1, §3).
 
-    attention(q [nq, nh, hd], k [nkv, T, hd], v [nkv, T, hd],
+    attention(q [nq, nh, hd], k [nkv, >=T, hd], v [nkv, >=T, hd],
               q_pos [nq] int64, k_pos [T] int64, causal: bool, window: int,
               bf16_probs: bool = False) -> [nq, nh, hd] f32
+
+The keys are rows 0..T-1 of k / v, T = len(k_pos); later rows are ignored. So a caller hands
+over a whole cache buffer `cache.k[layer]` ([nkv, max_len, hd], C-contiguous: the layout the
+kernel vectorises) rather than a strided prefix slice of it.
 
 Visibility of key s (position k_pos[s]) from query i (position q_pos[i]):
     causal:     k_pos[s] <= q_pos[i]
@@ -18,31 +22,33 @@ flash attention) do with bf16 inputs. Measured on bf16 inputs vs torch SDPA bf16
 output elements bit-equal with it, 72% without.
 
 Callers:
-- target: k/v = the layer's cache slice [nkv, 0:start+n, hd] with the block already written
-  in, k_pos = arange(start+n), q_pos = start..start+n-1, causal=True, window=0.
+- target: k/v = the layer's cache buffer [nkv, max_len, hd] with the block already written
+  in at start.., k_pos = arange(start+n), q_pos = start..start+n-1, causal=True, window=0.
 - DFlash draft (§3): k/v = [context K/V at positions < p] ++ [block K/V at p..p+Q-1] — e.g.
   write the block into the context buffer just past its length (without bumping the length, so
-  nothing persists) and pass that view; k_pos lists each key's position; causal / window per
-  layer. k and v may be strided views (numba takes any layout); q is made contiguous.
+  nothing persists) and pass that buffer; k_pos lists each key's position; causal / window per
+  layer. Strided k / v are accepted (copied to C layout first); q is made contiguous.
 """
 
 import numpy as np
 from .linear import use_parallel  # same threading policy as the GEMV
 from numba import njit, prange
 
-from ..numerics import round_bf16, round_bf16_array
+from ..numerics import _u32_as_f32, round_bf16, round_bf16_array
 
 
 
 def _check(q, k, v, q_pos, k_pos):
+    """Shape rules shared by every attention implementation (CPU, numpy, CUDA)."""
     nq, nh, hd = q.shape
-    nkv, T, hdk = k.shape
-    if v.shape != k.shape or hdk != hd:
+    nkv, rows, hdk = k.shape
+    if tuple(v.shape) != tuple(k.shape) or hdk != hd:
         raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} disagree")
     if nh % nkv:
         raise ValueError(f"attention: {nh} query heads is not a multiple of {nkv} KV heads")
-    if q_pos.shape != (nq,) or k_pos.shape != (T,):
-        raise ValueError(f"attention: q_pos {q_pos.shape} / k_pos {k_pos.shape}, expected ({nq},) / ({T},)")
+    if q_pos.shape != (nq,) or k_pos.ndim != 1 or k_pos.shape[0] > rows:
+        raise ValueError(f"attention: q_pos {q_pos.shape} / k_pos {k_pos.shape}, expected ({nq},) / "
+                         f"(T,) with T <= {rows} key rows")
 
 
 def visibility(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, window: int) -> np.ndarray:
@@ -61,6 +67,7 @@ def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs
     q, k, v = (np.asarray(a, dtype=np.float32) for a in (q, k, v))
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
     _check(q, k, v, q_pos, k_pos)
+    k, v = k[:, : len(k_pos)], v[:, : len(k_pos)]  # [nkv, T, hd] the listed keys
     nq, nh, hd = q.shape
     g = nh // k.shape[0]
     kh = np.repeat(k, g, axis=0)  # [nh, T, hd]  query head h -> kv head h // g
@@ -78,62 +85,163 @@ def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs
     return (o * (1 / np.where(s > 0, s, 1)).transpose(1, 0, 2)).astype(np.float32)
 
 
+# ------------------------------------------------------------------ numba kernels
+# Two loop orders over the same math, picked per call by the number of query rows that share a
+# KV head (R = nq * nh / nkv):
+#   rows (R < TRANSPOSE_MIN_ROWS, e.g. one decode token): one item per (query, KV head); scores
+#     are dot products over hd on C-contiguous k rows, V is accumulated row by row;
+#   transposed (verify / draft blocks): one item per KV head; its K and V are copied once to
+#     [hd, T] scratch, so scores (q_j * K^T[j, :]) and outputs (p . V^T[j, :]) run over T in
+#     long vector loops without per-key horizontal sums. The copy costs 2*T*hd moves per KV
+#     head, which only R >= TRANSPOSE_MIN_ROWS query rows pay back (measured ~2x at R = 16).
+# Both take exp from `_exp_shifted`, a branch-free expf that LLVM vectorises.
+TRANSPOSE_MIN_ROWS = 8
+
+
 @njit(inline="always")
-def _attention_item(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out, item):
-    """Query item // nh, head item % nh: one (query, head) pair. out [nq, nh, hd] written."""
-    nq, nh, hd = q.shape
-    T = k.shape[1]
-    g = nh // k.shape[0]
-    scale = np.float32(1.0) / np.sqrt(np.float32(hd))
-    i = item // nh
-    h = item % nh
-    kvh = h // g
-    qp = q_pos[i]
-    s = np.empty(T, dtype=np.float32)  # [T] scores, -inf where not visible
+def _exp_f32(x):
+    """Cephes expf for x <= 0 (scores minus their max): Cody-Waite reduction x = n ln2 + r,
+    degree-6 polynomial in r, times 2^n built from the exponent bits. Branch-free, so a loop of
+    it vectorises; within 2 ulp of libm expf. Below -87 it returns ~1e-38 instead of 0: a weight
+    that small cannot move an f32 sum that already holds the max's weight 1."""
+    x = max(x, np.float32(-87.0))
+    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375)
+    r = r - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * _u32_as_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+
+
+@njit(cache=True)  # deliberately NOT fastmath: reassociation would undo the Cody-Waite split
+def _exp_shifted(s, n, mx):
+    """s[:n] = exp(s[:n] - mx) in place. s [>=n] f32."""
+    for t in range(n):
+        s[t] = _exp_f32(s[t] - mx)
+
+
+@njit(inline="always")
+def _visible(qp, kp, causal, window):
+    d = qp - kp  # query position minus key position
+    return not ((causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)))
+
+
+@njit(inline="always")
+def _softmax_weights(s, vis, T, bf16_probs):
+    """s [>=T] scaled scores -> unnormalised weights exp(s - max) in place (0 where not
+    visible; bf16-rounded in bf16_probs mode). Returns 1 / sum of the UNROUNDED weights, or 0
+    when no key is visible (the caller writes zeros)."""
     mx = np.float32(-np.inf)
     for t in range(T):
-        d = qp - k_pos[t]
-        if (causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)):
-            s[t] = -np.inf
-            continue
-        acc = np.float32(0.0)
-        for j in range(hd):
-            acc += q[i, h, j] * k[kvh, t, j]
-        acc *= scale
-        s[t] = acc
-        if acc > mx:
-            mx = acc
-    o = out[i, h]  # [hd] view
-    o[:] = np.float32(0.0)
+        if vis[t] and s[t] > mx:
+            mx = s[t]
     if mx == -np.inf:
-        return  # nothing visible: zero row
+        return np.float32(0.0)
+    _exp_shifted(s, T, mx)
     total = np.float32(0.0)
     for t in range(T):
-        if s[t] == -np.inf:
-            continue
-        p = np.exp(s[t] - mx)
-        total += p
-        if bf16_probs:
-            p = round_bf16(p)
+        w = s[t] if vis[t] else np.float32(0.0)
+        total += w
+        s[t] = round_bf16(w) if bf16_probs else w
+    return np.float32(1.0) / total
+
+
+@njit(inline="always")
+def _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item):
+    """Query i = item // nkv with its g = nh // nkv heads sharing KV head kvh = item % nkv.
+    q [nq, nh, hd], k/v [nkv, >=T, hd] C-contiguous, out [nq, nh, hd] written."""
+    nq, nh, hd = q.shape
+    nkv = k.shape[0]
+    g = nh // nkv
+    i, kvh = item // nkv, item % nkv
+    scale = np.float32(1.0) / np.sqrt(np.float32(hd))
+    vis = np.empty(T, dtype=np.bool_)  # [T] may query i see key t
+    s = np.empty(T, dtype=np.float32)  # [T] scores of one head, then its weights
+    acc = np.empty(hd, dtype=np.float32)  # [hd]
+    for t in range(T):
+        vis[t] = _visible(q_pos[i], k_pos[t], causal, window)
+    for h in range(kvh * g, (kvh + 1) * g):
+        for t in range(T):
+            a = np.float32(0.0)
+            for j in range(hd):
+                a += q[i, h, j] * k[kvh, t, j]
+            s[t] = a * scale
+        inv = _softmax_weights(s, vis, T, bf16_probs)
+        acc[:] = np.float32(0.0)
+        for t in range(T):
+            if vis[t]:  # skipped, not weighted by 0: an inf/NaN in an unseen row never leaks
+                w = s[t]
+                for j in range(hd):
+                    acc[j] += w * v[kvh, t, j]
         for j in range(hd):
-            o[j] += p * v[kvh, t, j]
-    inv = np.float32(1.0) / total
-    for j in range(hd):
-        o[j] *= inv
+            out[i, h, j] = acc[j] * inv
 
 
-# A parallel driver and a serial twin for small work (fork/join would dominate); the item
-# function is inlined at numba-IR level, so the drivers' fastmath applies to it.
+@njit(inline="always")
+def _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, kvh):
+    """Every query row of KV head kvh (nq queries x its g heads). Shapes as `_attend_rows`."""
+    nq, nh, hd = q.shape
+    g = nh // k.shape[0]
+    scale = np.float32(1.0) / np.sqrt(np.float32(hd))
+    kT = np.empty((hd, T), dtype=np.float32)  # [hd, T] K of this head, transposed
+    vT = np.empty((hd, T), dtype=np.float32)  # [hd, T]
+    for t in range(T):
+        for j in range(hd):
+            kT[j, t] = k[kvh, t, j]
+            vT[j, t] = v[kvh, t, j]
+    vis = np.empty(T, dtype=np.bool_)
+    s = np.empty(T, dtype=np.float32)
+    for i in range(nq):
+        for t in range(T):
+            vis[t] = _visible(q_pos[i], k_pos[t], causal, window)
+        for h in range(kvh * g, (kvh + 1) * g):
+            s[:T] = np.float32(0.0)
+            for j in range(0, hd, 4):  # s += q_j * K^T[j, :], vector loops over T, 4 j per pass
+                j1 = min(j + 1, hd - 1)  # hd % 4 tail: clamped rows get a zero coefficient
+                j2 = min(j + 2, hd - 1)
+                j3 = min(j + 3, hd - 1)
+                q0 = q[i, h, j] * scale
+                q1 = q[i, h, j1] * scale if j + 1 < hd else np.float32(0.0)
+                q2 = q[i, h, j2] * scale if j + 2 < hd else np.float32(0.0)
+                q3 = q[i, h, j3] * scale if j + 3 < hd else np.float32(0.0)
+                for t in range(T):
+                    s[t] += q0 * kT[j, t] + q1 * kT[j1, t] + q2 * kT[j2, t] + q3 * kT[j3, t]
+            inv = _softmax_weights(s, vis, T, bf16_probs)
+            # out_j = sum_t w_t V^T[j, t]; an unseen key has weight exactly 0 (a select here
+            # would halve the speed; V rows are cache rows the model wrote, so finite)
+            for j in range(hd):
+                a = np.float32(0.0)
+                for t in range(T):
+                    a += s[t] * vT[j, t]
+                out[i, h, j] = a * inv
+
+
+# Drivers: parallel over items and a serial twin for small work (fork/join would dominate). The
+# item functions are inlined at numba-IR level, so the drivers' fastmath ("reassoc", which lets
+# LLVM vectorise the reductions) applies to them.
 @njit(parallel=True, fastmath={"reassoc"}, cache=True)
-def _attention_par(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out):
-    for item in prange(q.shape[0] * q.shape[1]):
-        _attention_item(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out, item)
+def _attention_par(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
+    if transposed:
+        for kvh in prange(k.shape[0]):
+            _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, kvh)
+    else:
+        for item in prange(q.shape[0] * k.shape[0]):
+            _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
 
 
 @njit(fastmath={"reassoc"}, cache=True)
-def _attention_ser(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out):
-    for item in range(q.shape[0] * q.shape[1]):
-        _attention_item(q, k, v, q_pos, k_pos, causal, window, bf16_probs, out, item)
+def _attention_ser(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
+    if transposed:
+        for kvh in range(k.shape[0]):
+            _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, kvh)
+    else:
+        for item in range(q.shape[0] * k.shape[0]):
+            _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
 
 
 def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None):
@@ -146,6 +254,10 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     _check(q, k, v, q_pos, k_pos)
     if out is None:
         out = np.empty(q.shape, dtype=np.float32)
-    kernel = _attention_par if use_parallel(q.size * k.shape[1]) else _attention_ser
-    kernel(q, k, v, q_pos, k_pos, bool(causal), int(window), bool(bf16_probs), out)
+    T = k_pos.shape[0]
+    if not (k.flags.c_contiguous and v.flags.c_contiguous):  # C layout is what vectorises
+        k, v = np.ascontiguousarray(k[:, :T]), np.ascontiguousarray(v[:, :T])
+    kernel = _attention_par if use_parallel(q.size * T) else _attention_ser
+    transposed = q.shape[0] * q.shape[1] // k.shape[0] >= TRANSPOSE_MIN_ROWS
+    kernel(q, k, v, q_pos, k_pos, T, bool(causal), int(window), bool(bf16_probs), out, transposed)
     return out

@@ -13,6 +13,8 @@ Contracts (all float32 activations):
     attention(q [nq, nh, hd], k [nkv, T, hd], v, q_pos [nq], k_pos [T],
               causal: bool, window: int, bf16_probs=False) -> [nq, nh, hd]  (kernels/attention.py)
     grouped_conv(x, delta, base, group_size, block_len)                    (kernels/conv.py, §4.2)
+    rms_norm(x [..., D], w [D], eps, bf16) -> [..., D]       (kernels/rowwise.py; models/layers.py)
+    apply_rope(x [n, heads, hd], cos [n, hd], sin [n, hd], bf16) -> [n, heads, hd]   (the same)
     prepare_weight(w) -> the array to hand to linear (identity, or an f32 copy)
 """
 
@@ -23,6 +25,8 @@ import numpy as np
 
 from ..errors import DeviceUnavailableError
 from ..numerics import as_f32
+from ..models import layers
+from . import rowwise
 from .attention import attention, attention_reference
 from .linear import linear, linear_reference
 
@@ -36,6 +40,8 @@ class Ops:
     attention: Callable
     grouped_conv: Callable  # DFlash2 drafts only
     prepare_weight: Callable[[np.ndarray], np.ndarray]
+    rms_norm: Callable = layers.rms_norm  # numpy reference unless a device brings a kernel
+    apply_rope: Callable = layers.apply_rope
 
 
 def _keep(w: np.ndarray) -> np.ndarray:
@@ -52,7 +58,7 @@ def _conv_kernels():
 def get_ops(device: str = "cpu") -> Ops:
     if device == "cpu":
         conv, _ = _conv_kernels()
-        return Ops("cpu", linear, attention, conv, _keep)
+        return Ops("cpu", linear, attention, conv, _keep, rowwise.rms_norm, rowwise.apply_rope)
     if device == "numpy":
         _, conv = _conv_kernels()
         return Ops("numpy", linear_reference, attention_reference, conv, as_f32)

@@ -1,6 +1,6 @@
 """@cuda.jit attention: a block of queries over a key set — same contract as kernels/attention.py.
 
-    attention_cuda(q [nq, nh, hd], k [nkv, T, hd], v [nkv, T, hd], q_pos [nq], k_pos [T],
+    attention_cuda(q [nq, nh, hd], k [nkv, >=T, hd], v [nkv, >=T, hd], q_pos [nq], k_pos [T],
                    causal=True, window=0, bf16_probs=False) -> [nq, nh, hd] f32
 
 Serves both callers of the CPU kernel: the target's verify block (k/v = cache ++ block,
@@ -143,8 +143,8 @@ def attention_cuda(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=Fals
         _check(q, k, v, q_pos, k_pos)
     if hd > MAX_HEAD_DIM:
         raise ValueError(f"attention_cuda: head_dim {hd} > {MAX_HEAD_DIM} (the shared q row)")
-    T = k.shape[1]
-    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    T = k_pos.shape[0]  # keys = rows 0..T-1 of k / v; later rows are ignored
+    dq, dk, dv = to_device(q), to_device(k[:, :T]), to_device(v[:, :T])
     scratch = cuda.device_array((nq * nh, max(T, 1)), dtype=np.float32)  # [nq*nh, T]
     dout = out if out is not None else cuda.device_array((nq, nh, hd), dtype=np.float32)
     if nq * nh:
@@ -166,5 +166,6 @@ def _check_device(q, k, v, q_pos, k_pos):
         raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} disagree")
     if nh % nkv:
         raise ValueError(f"attention: {nh} query heads is not a multiple of {nkv} KV heads")
-    if q_pos.shape != (nq,) or k_pos.shape != (T,):
-        raise ValueError(f"attention: q_pos {q_pos.shape} / k_pos {k_pos.shape}, expected ({nq},) / ({T},)")
+    if q_pos.shape != (nq,) or k_pos.ndim != 1 or k_pos.shape[0] > T:
+        raise ValueError(f"attention: q_pos {q_pos.shape} / k_pos {k_pos.shape}, expected ({nq},) / "
+                         f"(T,) with T <= {T} key rows")

@@ -10,6 +10,8 @@ Same methods and contracts as the CPU Ops, so the model code is not forked per d
     prepare_weight(w) -> w                             uploads w ONCE; later `linear(x, w)` calls
                                                        with that same host array use the device copy
     zeros(shape, dtype=float32) -> DeviceBuffer        device-resident buffer (KV / context caches)
+    rms_norm, apply_rope                               the CPU's numba kernels (rowwise.py): they
+                                                       act on the host activations
 
 Residency: weights live on the device for the lifetime of the Ops object (keyed by the host
 array's identity; the cache holds a reference to the host array, so an id cannot be reused by
@@ -28,6 +30,7 @@ import numpy as np
 from numba import cuda
 
 from ..errors import DeviceUnavailableError
+from . import rowwise
 from .cuda_attention import attention_cuda
 from .cuda_common import SIMULATOR, is_device_array, to_device
 from .cuda_conv import grouped_conv_cuda
@@ -77,6 +80,8 @@ class CudaOps:
     """Ops for device "cuda" (attributes as kernels/backend.Ops, plus zeros / weight cache)."""
 
     device = "cuda"
+    rms_norm = staticmethod(rowwise.rms_norm)
+    apply_rope = staticmethod(rowwise.apply_rope)
 
     def __init__(self):
         if not cuda_available():

@@ -34,7 +34,8 @@ from ..decode.drafter import Proposal, valid_vocab
 from ..decode.sampling import SamplingParams, mask_padded, sample_token, target_probs
 from ..errors import GenerationArgumentError
 from ..numerics import as_f32
-from .layers import apply_rope, mlp, rms_norm, rnd_if, rope_tables
+from .layers import mlp, rnd_if, rope_tables
+from .selector import _top_k_rows
 from .target import KVCache
 
 N_SLOT_CANDIDATES = 8  # candidates per mask slot listed in Proposal.info["slots"] (v1)
@@ -101,14 +102,14 @@ class DFlashDraft:
             raise GenerationArgumentError(
                 f"extend_context: taps {got}, expected [{n}, {c.n_taps} * {c.hidden_size}] "
                 f"for target_layer_ids {c.target_layer_ids}")
-        linear, eps, nkv, hd = self.ops.linear, c.rms_norm_eps, c.num_key_value_heads, c.head_dim
+        ops, linear, eps, nkv, hd = self.ops, self.ops.linear, c.rms_norm_eps, c.num_key_value_heads, c.head_dim
         x = np.ascontiguousarray(taps, dtype=np.float32)  # [n, n_taps*H]
-        ctx = rms_norm(rnd_if(linear(x, self.fc), bf16), self.hidden_norm, eps, bf16)  # [n, H] c_t
+        ctx = ops.rms_norm(rnd_if(linear(x, self.fc), bf16), self.hidden_norm, eps, bf16)  # [n, H] c_t
         cos, sin = rope_tables(np.arange(start_pos, start_pos + n), hd, c.rope_theta, bf16)  # [n, hd]
         state.reserve(n + c.block_size)
         for i, L in enumerate(self.layers):
             k = rnd_if(linear(ctx, L["k"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
-            k = apply_rope(rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
+            k = ops.apply_rope(ops.rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
             v = rnd_if(linear(ctx, L["v"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
             state.k[i, :, start_pos:start_pos + n] = k.transpose(1, 0, 2)  # [nkv, n, hd]
             state.v[i, :, start_pos:start_pos + n] = v.transpose(1, 0, 2)
@@ -132,7 +133,7 @@ class DFlashDraft:
         """R requests, one block of n_rows = Q rows each -> final-normed states [R*Q, H].
         Request r's rows r*Q..r*Q+Q-1 sit at positions anchor_positions[r]..+Q-1 and attend to
         its context (states[r], holding exactly 0..anchor_positions[r]-1) ++ its own block."""
-        c, bf16, linear, Q = self.config, self.bf16, self.ops.linear, int(n_rows)
+        c, bf16, ops, linear, Q = self.config, self.bf16, self.ops, self.ops.linear, int(n_rows)
         if not 1 <= Q <= self.block_size:
             raise GenerationArgumentError(f"draft block of {Q} rows; expected 1..{self.block_size} (block_size)")
         for st, p in zip(states, anchor_positions):
@@ -146,29 +147,29 @@ class DFlashDraft:
 
         h = self.embed_block(anchor_ids, Q)  # [R*Q, H]
         for i, L in enumerate(self.layers):
-            a = rms_norm(h, L["ln1"], eps, bf16)  # [R*Q, H]
+            a = ops.rms_norm(h, L["ln1"], eps, bf16)  # [R*Q, H]
             a, k_att = self.conv_prepare(L, "attention_conv", a, Q)
             q = rnd_if(linear(a, L["q"]), bf16).reshape(R * Q, nh, hd)  # [R*Q, nh, hd]
             k = rnd_if(linear(a, L["k"]), bf16).reshape(R * Q, nkv, hd)  # [R*Q, nkv, hd]
             v = rnd_if(linear(a, L["v"]), bf16).reshape(R * Q, nkv, hd)
-            q = apply_rope(rms_norm(q, L["q_norm"], eps, bf16), cos, sin, bf16)
-            k = apply_rope(rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
+            q = ops.apply_rope(ops.rms_norm(q, L["q_norm"], eps, bf16), cos, sin, bf16)
+            k = ops.apply_rope(ops.rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
             o = np.empty((R * Q, nh, hd), np.float32)  # [R*Q, nh, hd]
             for r, st in enumerate(states):
                 rows, p = slice(r * Q, (r + 1) * Q), st.length
                 # block K/V written just past the context, length NOT bumped: nothing persists
                 st.k[i, :, p:p + Q] = k[rows].transpose(1, 0, 2)  # [nkv, Q, hd]
                 st.v[i, :, p:p + Q] = v[rows].transpose(1, 0, 2)
-                o[rows] = self.ops.attention(q[rows], st.k[i, :, :p + Q], st.v[i, :, :p + Q],
-                                             pos[rows], np.arange(p + Q), L["causal"], L["window"], bf16)
+                o[rows] = self.ops.attention(q[rows], st.k[i], st.v[i], pos[rows], np.arange(p + Q),
+                                             L["causal"], L["window"], bf16)  # keys: rows 0..p+Q-1
             o = rnd_if(linear(rnd_if(o, bf16).reshape(R * Q, nh * hd), L["o"]), bf16)  # [R*Q, H]
             h = rnd_if(h + self.conv_finish(L, "attention_conv", o, k_att, Q), bf16)
 
-            m = rms_norm(h, L["ln2"], eps, bf16)  # [R*Q, H]
+            m = ops.rms_norm(h, L["ln2"], eps, bf16)  # [R*Q, H]
             m, k_mlp = self.conv_prepare(L, "mlp_conv", m, Q)
             y = mlp(m, L["gate"], L["up"], L["down"], linear, bf16)  # [R*Q, H]
             h = rnd_if(h + self.conv_finish(L, "mlp_conv", y, k_mlp, Q), bf16)
-        return rms_norm(h, self.norm, eps, bf16)  # [R*Q, H]
+        return ops.rms_norm(h, self.norm, eps, bf16)  # [R*Q, H]
 
     # ------------------------------------------------------------------ proposing
     def _check_propose(self, n_rows: int) -> None:
@@ -193,13 +194,13 @@ class DFlashDraft:
 
 
 def top_candidates(z: np.ndarray, n: int) -> list[dict]:
-    """Per row of z [k, V]: the n best ids by logit (descending, ties by ascending id)."""
+    """Per row of z [k, V]: the n best ids by logit (descending, ties by ascending id; NaN last)."""
+    z = np.ascontiguousarray(z, dtype=np.float32)
     n = min(n, z.shape[-1])
-    slots = []
-    for row in z:
-        ids = np.lexsort((np.arange(len(row)), -row))[:n]  # primary: -logit, secondary: id
-        slots.append({"candidate_ids": ids.tolist(), "candidate_scores": row[ids].tolist()})
-    return slots
+    ids = np.empty((z.shape[0], n), np.int64)  # [k, n]
+    vals = np.empty((z.shape[0], n), np.float32)  # [k, n]
+    _top_k_rows(z, z.shape[-1], ids, vals)
+    return [{"candidate_ids": i.tolist(), "candidate_scores": z[l, i].tolist()} for l, i in enumerate(ids)]
 
 
 def load_draft(draft_dir, target, kind: str | None = None):

@@ -50,6 +50,7 @@ np.tanh, pi = h @ Wp^T and the bilinear term as f32 matmuls from bf16 weights, S
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from ..errors import SelectorRefusedError
 from ..numerics import as_f32
@@ -88,6 +89,36 @@ def keyed_uniform(seed: int, positions: np.ndarray, token_ids: np.ndarray) -> np
 def keyed_gumbel(seed: int, positions: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
     """Standard Gumbel noise -log(-log U) keyed by (seed, position, token id), float64."""
     return -np.log(-np.log(keyed_uniform(seed, positions, token_ids)))
+
+
+# ---------------------------------------------------------------- top-K kernel
+@njit(cache=True)
+def _top_k_rows(z, valid_vocab, ids, vals):
+    """Per row of z [k, V]: the K = ids.shape[1] best ids, value descending, ties by ascending
+    id; ids >= valid_vocab and NaN count as -inf. Writes ids [k, K] int64, vals [k, K] f32.
+
+    One pass over the row in id order keeping a sorted list of K: a later id enters only if
+    STRICTLY better than the current K-th (so among equal values the lower id stays), and is
+    placed after every kept value >= its own (so equal values stay in ascending id order)."""
+    k, V = z.shape
+    K = ids.shape[1]
+    for l in range(k):
+        n = 0  # kept so far
+        for t in range(V):
+            v = z[l, t] if t < valid_vocab else -np.inf
+            if v != v:  # NaN
+                v = -np.inf
+            if n == K and not v > vals[l, K - 1]:
+                continue
+            pos = min(n, K - 1)  # the slot it lands in: shift worse values one place down
+            while pos > 0 and vals[l, pos - 1] < v:
+                if pos < K:
+                    vals[l, pos] = vals[l, pos - 1]
+                    ids[l, pos] = ids[l, pos - 1]
+                pos -= 1
+            vals[l, pos] = v
+            ids[l, pos] = t
+            n = min(n + 1, K)
 
 
 # ---------------------------------------------------------------- the selector
@@ -164,22 +195,16 @@ class CandidateSelector:
         Order: descending value, ties by ascending id. Padding ids (>= valid_vocab) and NaN
         are -inf first; since K <= valid vocab and padding ids are the largest, a padding id
         never makes the cut (a valid -inf id wins the tie)."""
-        z = np.array(z, dtype=np.float32)  # [k, V] copy: we mask in place
+        z = np.ascontiguousarray(z, dtype=np.float32)  # [k, V]
         if z.ndim != 2 or z.shape[1] != self.vocab_size:
             raise SelectorRefusedError(
                 f"{self.source}: logits have shape {list(z.shape)}, expected [k, {self.vocab_size}] "
                 f"(the selector codebooks cover the target vocab {self.vocab_size})")
-        z[:, self.valid_vocab:] = -np.inf
-        z[np.isnan(z)] = -np.inf
-        k, V, K = z.shape[0], z.shape[1], self.top_k
+        k, K = z.shape[0], self.top_k
         ids = np.empty((k, K), np.int64)  # [k, K]
-        for l in range(k):
-            kth = np.partition(z[l], V - K)[V - K]  # K-th largest value
-            above = np.flatnonzero(z[l] > kth)  # < K ids, all in
-            tied = np.flatnonzero(z[l] == kth)[: K - len(above)]  # lowest ids at the boundary value
-            pick = np.concatenate([above, tied])  # [K]
-            ids[l] = pick[np.lexsort((pick, -z[l, pick]))]  # primary: value desc; secondary: id asc
-        return ids, np.take_along_axis(z, ids, axis=1)
+        vals = np.empty((k, K), np.float32)  # [k, K]
+        _top_k_rows(z, self.valid_vocab, ids, vals)
+        return ids, vals
 
     def scalars(self, v: np.ndarray) -> np.ndarray:
         """§4.3 on candidate values, f32, in this order: u = v * mult; u = cap * tanh(u / cap).

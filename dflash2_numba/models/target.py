@@ -25,7 +25,7 @@ from ..config import TargetConfig, load_target_config
 from ..errors import GenerationArgumentError
 from ..kernels.backend import Ops, get_ops
 from ..numerics import DTYPE_MODES, as_f32
-from .layers import apply_rope, embedding, mlp, rms_norm, rnd_if, rope_tables
+from .layers import embedding, mlp, rnd_if, rope_tables
 
 
 class KVCache:
@@ -127,7 +127,7 @@ class TargetModel:
 
     def final_norm(self, h: np.ndarray) -> np.ndarray:
         """[n, H] -> [n, H] through model.norm."""
-        return rms_norm(h, self.norm_w, self.config.rms_norm_eps, self.bf16)
+        return self.ops.rms_norm(h, self.norm_w, self.config.rms_norm_eps, self.bf16)
 
     def lm_head(self, h: np.ndarray) -> np.ndarray:
         """ALREADY-NORMED states [n, H] -> logits [n, V] f32 (all vocab_size columns)."""
@@ -178,28 +178,28 @@ class TargetModel:
 
     def _layer(self, i, layer, h, cache, start, q_pos, k_pos, cos, sin):
         """One decoder layer on h [n, H] at positions q_pos; writes K/V i of the cache."""
-        c, bf16, linear = self.config, self.bf16, self.ops.linear
+        c, bf16, ops, linear = self.config, self.bf16, self.ops, self.ops.linear
         n, nh, nkv, hd, eps = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
 
-        a = rms_norm(h, layer["ln1"], eps, bf16)  # [n, H]
+        a = ops.rms_norm(h, layer["ln1"], eps, bf16)  # [n, H]
         q = rnd_if(linear(a, layer["q"]), bf16).reshape(n, nh, hd)  # [n, nh, hd]
         k = rnd_if(linear(a, layer["k"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
         v = rnd_if(linear(a, layer["v"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
         if c.has_qk_norm:  # Qwen3: RMSNorm over each head's hd features, before RoPE
-            q = rms_norm(q, layer["q_norm"], eps, bf16)
-            k = rms_norm(k, layer["k_norm"], eps, bf16)
-        q = apply_rope(q, cos, sin, bf16)
-        k = apply_rope(k, cos, sin, bf16)
+            q = ops.rms_norm(q, layer["q_norm"], eps, bf16)
+            k = ops.rms_norm(k, layer["k_norm"], eps, bf16)
+        q = ops.apply_rope(q, cos, sin, bf16)
+        k = ops.apply_rope(k, cos, sin, bf16)
 
         end = start + n
         cache.k[i, :, start:end] = k.transpose(1, 0, 2)  # [nkv, n, hd]
         cache.v[i, :, start:end] = v.transpose(1, 0, 2)
-        kc, vc = cache.k[i, :, :end], cache.v[i, :, :end]  # [nkv, T, hd] cache ++ this block
-        o = self.ops.attention(q, kc, vc, q_pos, k_pos, True, 0, bf16)  # [n, nh, hd]
+        # keys = rows 0..end-1 (= k_pos) of the layer's whole [nkv, max_len, hd] buffer
+        o = self.ops.attention(q, cache.k[i], cache.v[i], q_pos, k_pos, True, 0, bf16)  # [n, nh, hd]
         o = rnd_if(o, bf16).reshape(n, nh * hd)  # [n, nh*hd]
         h = rnd_if(h + rnd_if(linear(o, layer["o"]), bf16), bf16)  # [n, H]
 
-        m = rms_norm(h, layer["ln2"], eps, bf16)  # [n, H]
+        m = ops.rms_norm(h, layer["ln2"], eps, bf16)  # [n, H]
         return rnd_if(h + mlp(m, layer["gate"], layer["up"], layer["down"], linear, bf16), bf16)
 
 

@@ -1,0 +1,56 @@
+"""kernels/rowwise.py (numba RMSNorm and RoPE) against models/layers.py, bit for bit.
+
+The numba versions exist only to cut numpy's per-call overhead; any difference in bits would
+make the "cpu" and "numpy" devices (and the HF bf16 comparisons built on layers.py) drift apart,
+so equality is exact. Row lengths take every branch of numpy's pairwise sum: < 8, <= 128 with
+and without a tail, and the recursive halving above 128."""
+
+import numpy as np
+import pytest
+
+from dflash2_numba.kernels import rowwise
+from dflash2_numba.models import layers
+
+
+def _bits(a):
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("shape", [(1, 5), (3, 8), (2, 100), (4, 128), (2, 129), (8, 256), (3, 300),
+                                   (2, 1000), (5, 4, 32), (2, 8, 6)])
+def test_rms_norm_bit_identical(shape, bf16):
+    rng = np.random.default_rng(sum(shape) + bf16)
+    x = (rng.standard_normal(shape) * rng.exponential(4.0, shape[:-1] + (1,))).astype(np.float32)
+    if bf16:
+        x = layers.round_bf16_array(x)
+    w = (1 + 0.3 * rng.standard_normal(shape[-1])).astype(np.float32)
+    want = layers.rms_norm(x, w, 1e-6, bf16)
+    got = rowwise.rms_norm(x, w, 1e-6, bf16)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("n,heads,hd", [(1, 8, 32), (8, 4, 32), (3, 2, 6), (16, 1, 128)])
+def test_apply_rope_bit_identical(n, heads, hd, bf16):
+    rng = np.random.default_rng(n * heads + hd + bf16)
+    x = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    pos = rng.integers(0, 4000, n)
+    cos, sin = layers.rope_tables(pos, hd, 10000.0, bf16)
+    if bf16:
+        x = layers.round_bf16_array(x)
+    want = layers.apply_rope(x, cos, sin, bf16)
+    got = rowwise.apply_rope(x, cos, sin, bf16)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_strided_input_and_shape_errors():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 2, 64)).astype(np.float32)[:, 1, ::2]  # [6, 32] strided view
+    w = np.ones(32, np.float32)
+    np.testing.assert_array_equal(_bits(rowwise.rms_norm(x, w, 1e-5)), _bits(layers.rms_norm(x, w, 1e-5)))
+    with pytest.raises(ValueError, match="weight"):
+        rowwise.rms_norm(x, np.ones(31, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="apply_rope"):
+        rowwise.apply_rope(np.zeros((2, 1, 8), np.float32), np.zeros((2, 6), np.float32), np.zeros((2, 6), np.float32))
