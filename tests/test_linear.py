@@ -1,7 +1,7 @@
 """linear(x, w) = x @ w.T against an independent float64 product, over a sweep of shapes that
-crosses every branch: M=1 kernel, the 4x2 register tile with M % 4 leftovers and an odd
-number of weight rows, the BLAS path above GEMV_MAX_ROWS, every weight dtype, and both the
-parallel and the serial driver."""
+crosses every branch: input-row groups of 8 (5..8 rows left, clamped), 4 (2..4 left) and 1, in
+every sequence (9 = 8+1, 12 = 8+4, 13 = 8+5, 31 = 8+8+8+7), output-column blocks with a ragged
+tail, the BLAS path above GEMV_MAX_ROWS, every weight dtype, and both drivers."""
 
 import tracemalloc
 
@@ -22,7 +22,8 @@ def driver(request, monkeypatch):
 
 
 SHAPES = [(1, 7, 5), (1, 300, 64), (2, 33, 17), (3, 16, 40), (4, 31, 64), (5, ROW_BLOCK + 1, 96),
-          (7, 129, 33), (16, 64, 128), (31, 10, 70), (32, 257, 64), (33, 40, 48), (70, 300, 64)]
+          (7, 129, 33), (8, 20, 8), (9, 40, 24), (12, 33, 20), (13, 17, 9), (16, 64, 128), (31, 10, 70),
+          (32, 257, 64), (33, 40, 48), (70, 300, 64)]
 
 
 def bf16_exact_weights(rng, N, K):
