@@ -379,9 +379,10 @@ def test_select_sampled_end_to_end():
     ids = np.array([s["candidate_ids"] for s in info["slots"]])
     slots = info["chosen_slots"]
     assert draft.tolist() == [ids[l, s] for l, s in enumerate(slots)]
-    for l in range(3):  # q at the draft = softmax of the edge scores the walk compared
-        np.testing.assert_allclose(q[l, ids[l]], softmax64(np.array(info["slots"][l]["candidate_scores"]) / 0.9),
-                                   rtol=1e-6)
+    for l in range(3):  # q at the draft = softmax of the edge scores the walk compared, / T in
+        # f32 as the walk divides (logits near -34 turn an f32 ulp of S/T into ~2e-6 of q)
+        scaled = np.array(info["slots"][l]["candidate_scores"], np.float32) / np.float32(0.9)
+        np.testing.assert_allclose(q[l, ids[l]], softmax64(scaled.astype(np.float64)), rtol=1e-6)
     assert (q[:, 37:] == 0).all()
     again = sel.select(h, z, 4, np.array([7, 8, 9]), params)
     assert again[0].tolist() == draft.tolist() and np.array_equal(again[1], q)

@@ -53,6 +53,7 @@ import numpy as np
 from numba import njit
 
 from ..errors import SelectorRefusedError
+from ..kernels.linear import _load
 from ..numerics import as_f32
 
 PREFIX = "candidate_selector."
@@ -119,6 +120,44 @@ def _top_k_rows(z, valid_vocab, ids, vals):
             vals[l, pos] = v
             ids[l, pos] = t
             n = min(n + 1, K)
+
+
+@njit(fastmath={"reassoc"}, cache=True)
+def _scores_kernel(u, pi, pred, ids, A, Bc, S):
+    """S[l, a, c] = u[l, c] + sum_j (A[pred[l, a], j] * pi[l, j]) * Bc[ids[l, c], j] in f32.
+    u [k, K], pi [k, r], pred / ids [k, K] int64, A / Bc [V, r] uint16 (bf16 bits) or f32,
+    S [k, K, K] written. The candidate rows are gathered and converted once per row l; the
+    r-term sums may be reassociated (vectorised): f32 rounding, as numpy's matmul."""
+    k, K = ids.shape
+    r = pi.shape[1]
+    left = np.empty((K, r), np.float32)  # [K(a), r] A[pred] * pi of row l
+    right = np.empty((K, r), np.float32)  # [K(c), r] Bc[ids] of row l
+    for l in range(k):
+        for a in range(K):
+            for j in range(r):
+                left[a, j] = _load(A[pred[l, a], j]) * pi[l, j]
+                right[a, j] = _load(Bc[ids[l, a], j])
+        for a in range(K):
+            for c in range(K):
+                acc = np.float32(0.0)
+                for j in range(r):
+                    acc += left[a, j] * right[c, j]
+                S[l, a, c] = u[l, c] + acc
+
+
+@njit(cache=True)
+def _walk_greedy_kernel(S, slots):
+    """prev = 0; slots[l] = first argmax_c S[l, prev, c] with NaN never winning and an all
+    -inf (or all NaN) row giving slot 0; prev = slots[l]. S [k, K, K], slots [k] written."""
+    prev = 0
+    for l in range(S.shape[0]):
+        best, slot = -np.inf, 0
+        for c in range(S.shape[2]):
+            v = S[l, prev, c]
+            if v > best:  # strict: ties keep the lower slot; NaN compares False
+                best, slot = v, c
+        slots[l] = slot
+        prev = slot
 
 
 # ---------------------------------------------------------------- the selector
@@ -224,24 +263,26 @@ class CandidateSelector:
             raise SelectorRefusedError(
                 f"{self.source}: mask-row states have shape {list(h.shape)}, expected "
                 f"[{ids.shape[0]}, {self.hidden_size}] (hidden_projection is [{self.rank}, {self.hidden_size}])")
-        pi = h @ self.W_pi.T  # [k, r]
+        pi = (h @ self.W_pi.T).astype(np.float32)  # [k, r]
         pred = np.empty_like(ids)  # [k, K] predecessor token of slot a
         pred[0] = anchor_id  # row 0 follows the anchor whatever the slot
         pred[1:] = ids[:-1]  # row l follows the token chosen from row l-1's slot a
-        left = as_f32(self.A[pred]) * pi[:, None, :]  # [k, K(a), r]
-        right = as_f32(self.Bc[ids])  # [k, K(c), r]
-        return (np.asarray(u, np.float32)[:, None, :] + left @ right.transpose(0, 2, 1)).astype(np.float32)
+        u = np.ascontiguousarray(u, dtype=np.float32)
+        S = np.empty((ids.shape[0], self.top_k, self.top_k), np.float32)  # [k, K(a), K(c)]
+        if self.A.dtype in (np.uint16, np.float32) and self.Bc.dtype == self.A.dtype:
+            _scores_kernel(u, pi, np.ascontiguousarray(pred), np.ascontiguousarray(ids), self.A, self.Bc, S)
+        else:  # float16 codebooks (rare): the same products in numpy
+            left = as_f32(self.A[pred]) * pi[:, None, :]  # [k, K(a), r]
+            right = as_f32(self.Bc[ids])  # [k, K(c), r]
+            S[:] = u[:, None, :] + left @ right.transpose(0, 2, 1)
+        return S
 
     @staticmethod
     def walk_greedy(S: np.ndarray) -> np.ndarray:
         """prev = 0; c* = argmax_c S[l, prev, c]. Ties -> lowest slot (np.argmax takes the first
         maximum), NaN never wins (-> -inf), an all -inf row -> slot 0. -> slots [k] int64."""
-        k = S.shape[0]
-        slots = np.zeros(k, np.int64)
-        prev = 0
-        for l in range(k):
-            row = np.where(np.isnan(S[l, prev]), -np.inf, S[l, prev])  # [K]
-            prev = slots[l] = int(np.argmax(row))
+        slots = np.zeros(S.shape[0], np.int64)
+        _walk_greedy_kernel(np.ascontiguousarray(S, dtype=np.float32), slots)
         return slots
 
     def walk_sampled(self, S: np.ndarray, ids: np.ndarray, temperature: float, seed: int,
