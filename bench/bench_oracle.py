@@ -2,6 +2,10 @@
 Qwen3 target, Q in {2, 4, 8, 16}, against autoregressive decoding, measured in one run.
 
     python bench/bench_oracle.py [--new-tokens 64] [--context 128] [--repeat 5] [--device cpu]
+                                 [--target DIR]
+
+--target measures another target (e.g. the embedded default, dflash2_numba/assets/default/target)
+instead of the random ~100M one: the ceiling any draft can reach on that target and machine.
 
 Two tables:
 1. verify cost: one target forward of Q rows (then crop) at a context of --context tokens,
@@ -83,9 +87,11 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=128, help="prompt length (random ids)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "numpy", "cuda"])
+    ap.add_argument("--target", type=Path, default=None, help="target directory (default: the "
+                    "random ~100M Qwen3, written once)")
     args = ap.parse_args(argv)
 
-    path = build_target()
+    path = args.target if args.target is not None else build_target()
     if args.device == "numpy":  # the plain-numpy reference path (ops switch), for comparison
         from dflash2_numba.models.target import TargetModel
         from dflash2_numba.tokenizer import Tokenizer

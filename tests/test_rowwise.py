@@ -54,3 +54,15 @@ def test_strided_input_and_shape_errors():
         rowwise.rms_norm(x, np.ones(31, np.float32), 1e-5)
     with pytest.raises(ValueError, match="apply_rope"):
         rowwise.apply_rope(np.zeros((2, 1, 8), np.float32), np.zeros((2, 6), np.float32), np.zeros((2, 6), np.float32))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_rope_table_cache_serves_the_same_bits(bf16):
+    """models.layers.RopeTables (one growing table) against rope_tables computed fresh."""
+    rope = layers.RopeTables(32, 10000.0, bf16)
+    for positions in (np.arange(3), np.arange(250, 262), np.array([5, 1000, 7]), np.arange(4090, 4100)):
+        cos, sin = rope(positions)
+        want_cos, want_sin = layers.rope_tables(positions, 32, 10000.0, bf16)
+        np.testing.assert_array_equal(_bits(cos), _bits(want_cos))
+        np.testing.assert_array_equal(_bits(sin), _bits(want_sin))
+    assert rope.cos.shape[0] >= 4100

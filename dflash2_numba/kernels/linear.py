@@ -28,10 +28,27 @@ CHUNK_BYTES = 8 << 20  # f32 scratch per chunk on the BLAS path
 PARALLEL_MIN_MACS = 1 << 18  # smaller products run on one thread
 
 
+def _thread_count_reader():
+    """numba.get_num_threads() costs ~1 us (it re-checks the thread pool under a lock); a decode
+    step asks ~60 times. After one public call has started the pool, numba's own raw reader
+    (the same value, ~0.2 us) is used when this numba has it."""
+    numba.get_num_threads()
+    raw = getattr(getattr(numba.np.ufunc, "parallel", None), "_get_num_threads", None)
+    return raw if callable(raw) else numba.get_num_threads
+
+
+_num_threads = None  # set on first use: importing must not start the thread pool
+
+
 def use_parallel(macs: int) -> bool:
     """The prange driver only pays when there is work AND more than one numba thread: with one
     thread its fork/join overhead (tens of us per call) is pure loss on decode-size products."""
-    return macs >= PARALLEL_MIN_MACS and numba.get_num_threads() > 1
+    global _num_threads
+    if macs < PARALLEL_MIN_MACS:
+        return False
+    if _num_threads is None:
+        _num_threads = _thread_count_reader()
+    return _num_threads() > 1
 
 
 def linear_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -34,7 +34,7 @@ from ..decode.drafter import Proposal, valid_vocab
 from ..decode.sampling import SamplingParams, mask_padded, sample_token, target_probs
 from ..errors import GenerationArgumentError
 from ..numerics import as_f32
-from .layers import mlp, rnd_if, rope_tables
+from .layers import RopeTables, mlp, rnd_if
 from .selector import _top_k_rows
 from .target import KVCache
 
@@ -53,11 +53,13 @@ class DFlashDraft:
         self.config, self.checkpoint, self.target = config, checkpoint, target
         self.ops = target.ops  # one device switch for the pair
         self.dtype, self.bf16 = target.dtype, target.dtype == "bf16"
+        self.rope = RopeTables(config.head_dim, config.rope_theta, self.bf16)  # cos/sin by position
         self.block_size = config.block_size
         self.target_layer_ids = list(config.target_layer_ids)
         self.mask_token_id = config.mask_token_id
         check_pairing(config, target.config)
         self._validate_inventory()
+        self.mask_embedding = target.embed(np.array([config.mask_token_id]))[0]  # [H] f32
         get, w = checkpoint.get, self.ops.prepare_weight
         self.fc = w(get("fc.weight"))  # [H, n_taps*H]
         self.hidden_norm = as_f32(get("hidden_norm.weight"))  # [H]
@@ -105,7 +107,7 @@ class DFlashDraft:
         ops, linear, eps, nkv, hd = self.ops, self.ops.linear, c.rms_norm_eps, c.num_key_value_heads, c.head_dim
         x = np.ascontiguousarray(taps, dtype=np.float32)  # [n, n_taps*H]
         ctx = ops.rms_norm(rnd_if(linear(x, self.fc), bf16), self.hidden_norm, eps, bf16)  # [n, H] c_t
-        cos, sin = rope_tables(np.arange(start_pos, start_pos + n), hd, c.rope_theta, bf16)  # [n, hd]
+        cos, sin = self.rope.span(start_pos, n)  # [n, hd]
         state.reserve(n + c.block_size)
         for i, L in enumerate(self.layers):
             k = rnd_if(linear(ctx, L["k"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
@@ -118,9 +120,11 @@ class DFlashDraft:
     # ------------------------------------------------------------------ block forward
     def embed_block(self, anchor_ids, n_rows: int) -> np.ndarray:
         """[anchor, mask*(Q-1)] per request through the TARGET embedding -> [R*Q, H] f32."""
-        ids = np.full((len(anchor_ids), n_rows), self.mask_token_id, np.int64)  # [R, Q]
-        ids[:, 0] = anchor_ids
-        return self.target.embed(ids.reshape(-1))  # [R*Q, H]
+        anchors = self.target.embed(np.asarray(anchor_ids, np.int64))  # [R, H] (checks the ids)
+        h = np.empty((anchors.shape[0], n_rows, anchors.shape[1]), np.float32)  # [R, Q, H]
+        h[:, 0] = anchors
+        h[:, 1:] = self.mask_embedding  # [H], the same row every step: looked up once
+        return h.reshape(-1, anchors.shape[1])  # [R*Q, H]
 
     # conv call sites of DFlash2 (DESIGN §4.1); DFlash v1 has no conv: identity
     def conv_prepare(self, layer: dict, name: str, x: np.ndarray, n_rows: int):
@@ -143,7 +147,7 @@ class DFlashDraft:
             st.reserve(Q)  # scratch room for the block K/V past the context (length unchanged)
         R, nh, nkv, hd, eps = len(states), c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         pos = (np.asarray(anchor_positions, np.int64)[:, None] + np.arange(Q)).reshape(-1)  # [R*Q]
-        cos, sin = rope_tables(pos, hd, c.rope_theta, bf16)  # [R*Q, hd]
+        cos, sin = self.rope.span(pos[0], Q) if R == 1 else self.rope(pos)  # [R*Q, hd]
 
         h = self.embed_block(anchor_ids, Q)  # [R*Q, H]
         for i, L in enumerate(self.layers):

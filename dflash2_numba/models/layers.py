@@ -38,6 +38,39 @@ def rope_tables(positions: np.ndarray, head_dim: int, theta: float, bf16: bool =
     return rnd_if(np.cos(emb), bf16), rnd_if(np.sin(emb), bf16)
 
 
+class RopeTables:
+    """`rope_tables` for any positions, served from one [P, hd] table that grows (doubling) as
+    positions grow: the same bits (every entry is an elementwise function of its position), one
+    row gather per forward instead of fresh cos/sin/concatenate calls.
+
+        rope = RopeTables(head_dim, theta, bf16)
+        cos, sin = rope(positions)      # [n, hd] each, any positions
+        cos, sin = rope.span(start, n)  # positions start..start+n-1, as views"""
+
+    def __init__(self, head_dim: int, theta: float, bf16: bool = False):
+        self.head_dim, self.theta, self.bf16 = int(head_dim), float(theta), bool(bf16)
+        self.cos = self.sin = np.empty((0, self.head_dim), np.float32)  # [P, hd]
+
+    def __call__(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [n, hd] of arbitrary positions [n] (row copies)."""
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)  # [n]
+        if positions.size and positions.min() < 0:
+            return rope_tables(positions, self.head_dim, self.theta, self.bf16)
+        self._grow(int(positions.max()) + 1 if positions.size else 0)
+        return self.cos[positions], self.sin[positions]
+
+    def span(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [n, hd] of positions start..start+n-1: read-only views, no copy."""
+        self._grow(start + n)
+        return self.cos[start:start + n], self.sin[start:start + n]
+
+    def _grow(self, top: int) -> None:
+        if top > self.cos.shape[0]:
+            P = max(top, 2 * self.cos.shape[0], 256)
+            self.cos, self.sin = rope_tables(np.arange(P), self.head_dim, self.theta, self.bf16)
+            self.cos.flags.writeable = self.sin.flags.writeable = False
+
+
 def rotate_half(x: np.ndarray) -> np.ndarray:
     """[..., hd] -> [-x2, x1] with x1, x2 the two halves."""
     half = x.shape[-1] // 2

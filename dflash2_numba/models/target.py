@@ -25,7 +25,7 @@ from ..config import TargetConfig, load_target_config
 from ..errors import GenerationArgumentError
 from ..kernels.backend import Ops, get_ops
 from ..numerics import DTYPE_MODES, as_f32
-from .layers import embedding, mlp, rnd_if, rope_tables
+from .layers import RopeTables, embedding, mlp, rnd_if
 
 
 class KVCache:
@@ -84,6 +84,7 @@ class TargetModel:
             raise GenerationArgumentError(f"dtype {dtype!r}; expected one of: {', '.join(DTYPE_MODES)}")
         self.config, self.checkpoint, self.ops, self.dtype = config, checkpoint, ops, dtype
         self.bf16 = dtype == "bf16"
+        self.rope = RopeTables(config.head_dim, config.rope_theta, self.bf16)  # cos/sin by position
         self.valid_vocab = config.vocab_size
         checkpoint.require(*expected_tensors(config))
         c, get, w = config, checkpoint.get, ops.prepare_weight
@@ -162,7 +163,7 @@ class TargetModel:
         cache.reserve(n)
         q_pos = np.arange(start, start + n, dtype=np.int64)  # [n]
         k_pos = np.arange(start + n, dtype=np.int64)  # [T] keys: cache ++ this block
-        cos, sin = rope_tables(q_pos, c.head_dim, c.rope_theta, self.bf16)  # [n, hd] each
+        cos, sin = self.rope.span(start, n)  # [n, hd] each
 
         h = self.embed(ids)  # [n, H]
         taps = np.empty((n, len(tap_layers) * H), dtype=np.float32) if len(tap_layers) else None
