@@ -204,3 +204,14 @@ def test_greedy_speculative_equals_target_only(tmp_path, target_dir, target):
 
 def test_sampled_generation_runs_with_draft_q(tmp_path, target_dir, target):
     check_seeded_sampling(target, dn.load_draft(write_v1(tmp_path, target_dir, "s", **VARIANTS["full-causal"]), target))
+
+
+def test_lazy_info_builds_once_on_first_access():
+    """Proposal.info may be a LazyInfo: nothing is built until read, then built exactly once."""
+    from dflash2_numba.decode.drafter import LazyInfo
+
+    calls = []
+    info = LazyInfo(lambda: calls.append(1) or {"slots": [1, 2], "chosen_slots": [0]})
+    assert calls == []
+    assert info["slots"] == [1, 2] and dict(info) == {"slots": [1, 2], "chosen_slots": [0]}
+    assert len(info) == 2 and calls == [1]

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..config import DraftConfig, check_pairing, expected_draft_tensors, load_draft_config
-from ..decode.drafter import Proposal, valid_vocab
+from ..decode.drafter import LazyInfo, Proposal, valid_vocab
 from ..decode.sampling import SamplingParams, mask_padded, sample_token, target_probs
 from ..errors import GenerationArgumentError
 from ..numerics import as_f32
@@ -194,7 +194,7 @@ class DFlashDraft:
         else:
             q = np.stack([target_probs(row, sampling) for row in z]).astype(np.float32)  # [Q-1, V]
             draft_ids = np.array([sample_token(row, rng) for row in q], np.int64)  # drawn from q itself
-        return Proposal(draft_ids, q, {"slots": top_candidates(z, N_SLOT_CANDIDATES)})
+        return Proposal(draft_ids, q, LazyInfo(lambda: {"slots": top_candidates(z, N_SLOT_CANDIDATES)}))
 
 
 def top_candidates(z: np.ndarray, n: int) -> list[dict]:

@@ -52,6 +52,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..decode.drafter import LazyInfo
 from ..errors import SelectorRefusedError
 from ..kernels.linear import _load
 from ..numerics import as_f32
@@ -337,11 +338,11 @@ class CandidateSelector:
         k = ids.shape[0]
         prevs = np.concatenate([[0], slots[:-1]]).astype(np.int64)  # [k] the slot each row followed
         draft_ids = ids[np.arange(k), slots]  # [k]
-        info = {
+        info = LazyInfo(lambda: {
             "slots": [{"candidate_ids": ids[l].tolist(), "candidate_values": u[l].tolist(),
                        "candidate_scores": S[l, prevs[l]].tolist()} for l in range(k)],
             "chosen_slots": slots.tolist(),
-        }
+        })
         return draft_ids, q, info
 
 
