@@ -221,27 +221,34 @@ def _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs
                 out[i, h, j] = a * inv
 
 
+@njit(inline="always")
+def _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item):
+    """Work item `item` of the chosen loop order (see `_n_items`)."""
+    if transposed:
+        _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
+    else:
+        _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
+
+
+@njit(inline="always")
+def _n_items(q, k, transposed):
+    """KV heads (transposed order) or (query, KV head) pairs (row order)."""
+    return k.shape[0] if transposed else q.shape[0] * k.shape[0]
+
+
 # Drivers: parallel over items and a serial twin for small work (fork/join would dominate). The
 # item functions are inlined at numba-IR level, so the drivers' fastmath ("reassoc", which lets
 # LLVM vectorise the reductions) applies to them.
 @njit(parallel=True, fastmath={"reassoc"}, cache=True)
 def _attention_par(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
-    if transposed:
-        for kvh in prange(k.shape[0]):
-            _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, kvh)
-    else:
-        for item in prange(q.shape[0] * k.shape[0]):
-            _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
+    for item in prange(_n_items(q, k, transposed)):
+        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item)
 
 
 @njit(fastmath={"reassoc"}, cache=True)
 def _attention_ser(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
-    if transposed:
-        for kvh in range(k.shape[0]):
-            _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, kvh)
-    else:
-        for item in range(q.shape[0] * k.shape[0]):
-            _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
+    for item in range(_n_items(q, k, transposed)):
+        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item)
 
 
 def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None):
