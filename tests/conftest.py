@@ -23,3 +23,24 @@ def one_thread():
     numba.set_num_threads(1)
     yield
     numba.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- the draft tests' tiny target
+# test_draft.py and test_dflash2_draft.py pair their drafts with this 4-layer, hidden-64 Qwen3
+# (a module that defines its own `target_dir`, e.g. test_tiny_writer.py, overrides it).
+DRAFT_TEST_HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from dflash2_numba import tiny
+
+    return tiny.write_target(tmp_path_factory.mktemp("t") / "target", hidden_size=DRAFT_TEST_HIDDEN,
+                             intermediate_size=128, num_hidden_layers=4, seed=1)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    import dflash2_numba as dn
+
+    return dn.load_target(target_dir)

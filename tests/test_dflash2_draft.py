@@ -39,17 +39,6 @@ GREEDY = SamplingParams()
 SCALE = 1.7
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny.write_target(tmp_path_factory.mktemp("t") / "target", hidden_size=H,
-                             intermediate_size=128, num_hidden_layers=4, seed=1)
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return dn.load_target(target_dir)
-
-
 def write_v2(path, target_dir, taps=2, seed=2, **kw):
     """Random conv weights: base = perturbed identity with sizeable older taps, projection
     std 0.2 (deltas of order 1 after a normed input)."""

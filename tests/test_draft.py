@@ -23,7 +23,7 @@ from dflash2_numba.models.draft import DFlashDraft
 
 from draft_reference import DraftReference, check_greedy_equals_target_only, check_seeded_sampling
 
-H = 64
+H = 64  # = conftest.DRAFT_TEST_HIDDEN, the hidden size of the `target` fixture
 P = 11  # context length (committed tokens before the anchor)
 B = 8  # trained block size of the tiny drafts
 
@@ -39,17 +39,6 @@ VARIANTS = {
     "gqa": dict(is_causal=False, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                 layer_types=["sliding_attention", "sliding_attention"], sliding_window=4),
 }
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny.write_target(tmp_path_factory.mktemp("t") / "target", hidden_size=H,
-                             intermediate_size=128, num_hidden_layers=4, seed=1)
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return dn.load_target(target_dir)
 
 
 def write_v1(tmp, target_dir, name, seed=2, **kw):

@@ -170,37 +170,43 @@ def _kernel_for(dtype):
 
 
 # ------------------------------------------------------------------ argument checks
-def _check(x, delta, base, group_size, block_len):
-    """Validate shapes / dtypes; return C-contiguous (x, delta, base). Names what is wrong."""
-    arrays = {"x": x, "delta": delta, "base": base}
-    for name, a in arrays.items():
-        if not isinstance(a, np.ndarray):
-            raise KernelDTypeError(f"grouped_conv: {name} must be a numpy array, got {type(a).__name__}")
-    dtypes = {name: a.dtype for name, a in arrays.items()}
+def check_conv_args(who, x, delta, base, group_size, block_len):
+    """The shape / dtype rules of grouped_conv on anything with .dtype / .shape / .ndim (numpy or
+    CUDA device arrays); `who` names the caller in the messages. Raises KernelDTypeError /
+    KernelArgumentError naming what is wrong."""
+    dtypes = {"x": x.dtype, "delta": delta.dtype, "base": base.dtype}
     if not (all(d == np.float32 for d in dtypes.values()) or all(d == np.uint16 for d in dtypes.values())):
         shown = ", ".join(f"{k}={v}" for k, v in dtypes.items())
         raise KernelDTypeError(
-            f"grouped_conv: expected x, delta, base all float32 (f32 mode) or all uint16 bf16 "
+            f"{who}: expected x, delta, base all float32 (f32 mode) or all uint16 bf16 "
             f"(bf16 mode), got {shown}")
     if x.ndim != 2:
-        raise KernelArgumentError(f"grouped_conv: x must be [N, H], got shape {x.shape}")
+        raise KernelArgumentError(f"{who}: x must be [N, H], got shape {tuple(x.shape)}")
     if base.ndim != 2:
-        raise KernelArgumentError(f"grouped_conv: base must be [taps, H] (one side of "
-                                  f"base_kernel[2, taps, H]), got shape {base.shape}")
+        raise KernelArgumentError(f"{who}: base must be [taps, H] (one side of "
+                                  f"base_kernel[2, taps, H]), got shape {tuple(base.shape)}")
     n_rows, hidden = x.shape
     taps = base.shape[0]
     if taps < 1 or base.shape[1] != hidden:
-        raise KernelArgumentError(f"grouped_conv: base expected [taps>=1, H={hidden}], got {base.shape}")
+        raise KernelArgumentError(f"{who}: base expected [taps>=1, H={hidden}], got {tuple(base.shape)}")
     if not isinstance(group_size, (int, np.integer)) or group_size < 1 or hidden % group_size:
         raise KernelArgumentError(
-            f"grouped_conv: group_size must be a positive divisor of H={hidden}, got {group_size!r}")
+            f"{who}: group_size must be a positive divisor of H={hidden}, got {group_size!r}")
     if not isinstance(block_len, (int, np.integer)) or block_len < 1:
-        raise KernelArgumentError(f"grouped_conv: block_len must be an int >= 1, got {block_len!r}")
+        raise KernelArgumentError(f"{who}: block_len must be an int >= 1, got {block_len!r}")
     groups = hidden // group_size
-    if delta.shape != (n_rows, taps, groups):
+    if tuple(delta.shape) != (n_rows, taps, groups):
         raise KernelArgumentError(
-            f"grouped_conv: delta expected [N={n_rows}, taps={taps}, G={groups}] "
-            f"(G = H {hidden} // group_size {group_size}), got {delta.shape}")
+            f"{who}: delta expected [N={n_rows}, taps={taps}, G={groups}] "
+            f"(G = H {hidden} // group_size {group_size}), got {tuple(delta.shape)}")
+
+
+def _check(x, delta, base, group_size, block_len):
+    """Validate numpy arguments; return C-contiguous (x, delta, base)."""
+    for name, a in (("x", x), ("delta", delta), ("base", base)):
+        if not isinstance(a, np.ndarray):
+            raise KernelDTypeError(f"grouped_conv: {name} must be a numpy array, got {type(a).__name__}")
+    check_conv_args("grouped_conv", x, delta, base, group_size, block_len)
     # delta is usually a strided view of proj.reshape(N, 2, taps, G)[:, side]: tiny, so copying
     # it (and base) keeps the kernel to one C-layout specialisation per dtype.
     return np.ascontiguousarray(x), np.ascontiguousarray(delta), np.ascontiguousarray(base)

@@ -157,15 +157,7 @@ def attention_cuda(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=Fals
 
 
 def _check_device(q, k, v, q_pos, k_pos):
-    """The CPU's shape rules for device k / v (which must already be float32)."""
+    """Device k / v must already be float32; then the CPU's shape rules."""
     if k.dtype != np.float32 or v.dtype != np.float32:
         raise TypeError(f"attention_cuda: device k / v must be float32, got {k.dtype} / {v.dtype}")
-    nq, nh, hd = q.shape
-    nkv, T, hdk = k.shape
-    if tuple(v.shape) != tuple(k.shape) or hdk != hd:
-        raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} disagree")
-    if nh % nkv:
-        raise ValueError(f"attention: {nh} query heads is not a multiple of {nkv} KV heads")
-    if q_pos.shape != (nq,) or k_pos.ndim != 1 or k_pos.shape[0] > T:
-        raise ValueError(f"attention: q_pos {q_pos.shape} / k_pos {k_pos.shape}, expected ({nq},) / "
-                         f"(T,) with T <= {T} key rows")
+    _check(q, k, v, q_pos, k_pos)

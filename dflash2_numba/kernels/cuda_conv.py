@@ -23,9 +23,9 @@ float32 arithmetic and never contracts).
 import numpy as np
 from numba import cuda
 
-from ..errors import KernelArgumentError, KernelDTypeError
+from ..errors import KernelDTypeError
 from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
-from .conv import _add, _mul, _same, block_pos, make_conv_steps, uses_and_arm
+from .conv import _add, _mul, _same, block_pos, check_conv_args, make_conv_steps, uses_and_arm
 from .cuda_common import ELEMENT_THREADS, MAX_BLOCKS, SIMULATOR, is_device_array, to_device
 
 if SIMULATOR:
@@ -82,33 +82,6 @@ def kernel_for(dtype):
     raise KernelDTypeError(f"grouped_conv_cuda: dtype {dtype}; expected float32 or uint16 (bf16)")
 
 
-def _check(x, delta, base, group_size, block_len):
-    """Same rules (and error types) as kernels/conv.py, on host or device arrays."""
-    dtypes = {"x": x.dtype, "delta": delta.dtype, "base": base.dtype}
-    if not (all(d == np.float32 for d in dtypes.values()) or all(d == np.uint16 for d in dtypes.values())):
-        shown = ", ".join(f"{k}={v}" for k, v in dtypes.items())
-        raise KernelDTypeError(
-            f"grouped_conv_cuda: expected x, delta, base all float32 (f32 mode) or all uint16 bf16 "
-            f"(bf16 mode), got {shown}")
-    if x.ndim != 2 or base.ndim != 2:
-        raise KernelArgumentError(
-            f"grouped_conv_cuda: x must be [N, H] and base [taps, H], got {x.shape} and {base.shape}")
-    n_rows, hidden = x.shape
-    taps = base.shape[0]
-    if taps < 1 or base.shape[1] != hidden:
-        raise KernelArgumentError(f"grouped_conv_cuda: base expected [taps>=1, H={hidden}], got {base.shape}")
-    if not isinstance(group_size, (int, np.integer)) or group_size < 1 or hidden % group_size:
-        raise KernelArgumentError(
-            f"grouped_conv_cuda: group_size must be a positive divisor of H={hidden}, got {group_size!r}")
-    if not isinstance(block_len, (int, np.integer)) or block_len < 1:
-        raise KernelArgumentError(f"grouped_conv_cuda: block_len must be an int >= 1, got {block_len!r}")
-    groups = hidden // group_size
-    if tuple(delta.shape) != (n_rows, taps, groups):
-        raise KernelArgumentError(
-            f"grouped_conv_cuda: delta expected [N={n_rows}, taps={taps}, G={groups}] "
-            f"(G = H {hidden} // group_size {group_size}), got {tuple(delta.shape)}")
-
-
 def launch_conv(x, delta, base, out, group_size: int, block_len: int, and_arm: bool) -> None:
     """Launch on device arrays (no checks): the arm is explicit so tests can force either."""
     n_elements = x.shape[0] * x.shape[1]
@@ -124,7 +97,7 @@ def grouped_conv_cuda(x, delta, base, group_size: int, block_len: int, out=None)
 
     Host inputs are uploaded (delta is usually a strided view of the projection: it is made
     contiguous first); if any input is a device array the result stays on the device."""
-    _check(x, delta, base, group_size, block_len)
+    check_conv_args("grouped_conv_cuda", x, delta, base, group_size, block_len)
     on_device = any(is_device_array(a) for a in (x, delta, base))
     dx, dd, db = to_device(x), to_device(delta), to_device(base)
     dout = out if out is not None else cuda.device_array(tuple(x.shape), dtype=x.dtype)  # [N, H]
