@@ -3,7 +3,7 @@
 HashTarget: a genuinely causal "language model" with the TargetModel interface whose
 logits and taps at position t are a deterministic function of ids[0..t] (a rolling hash of the
 prefix seeds an RNG). No numba, microseconds per token, so the loop's bookkeeping can be swept
-exhaustively. A wrong crop / position / context changes the prefix hash and therefore every later
+exhaustively. A wrong commit / position / context changes the prefix hash and therefore every later
 logit, exactly like a real transformer KV cache bug would.
 
 RandomDrafter: proposes uniformly random tokens (greedy: reported one-hot; sampling: q uniform).
@@ -33,7 +33,7 @@ class HashCache:
     def length(self) -> int:
         return len(self.hashes)
 
-    def crop(self, n: int) -> None:
+    def commit(self, n: int) -> None:
         assert 0 <= n <= len(self.hashes), (n, len(self.hashes))
         del self.hashes[n:]
 

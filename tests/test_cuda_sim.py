@@ -351,7 +351,7 @@ def test_target_with_device_resident_kv_cache(tiny_pair):
     for name, cache in caches.items():
         model = cpu if name == "cpu" else gpu
         model.forward(np.array([5, 6, 7]), cache)  # grows past max_len 2: reserve copies
-        cache.crop(2)  # reject position 2
+        cache.commit(2)  # reject position 2
         logits[name], _ = model.forward(np.array([9, 4]), cache)  # overwrites position 2
     assert not isinstance(caches["device"].k, np.ndarray) and isinstance(caches["host"].k, np.ndarray)
     assert caches["device"].k.shape == caches["device"].v.shape

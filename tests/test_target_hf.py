@@ -212,14 +212,14 @@ def test_greedy_64_identical_to_hf(models, seq, case):
     assert mine == ref
 
 
-def test_crop_then_recompute_equals_fresh(models, seq):
+def test_commit_then_recompute_equals_fresh(models, seq):
     d = models["qwen3-untied-gqa-f32"]
     target = TargetModel.load(d)
     prompt, x, y = seq[:PROMPT], seq[PROMPT : PROMPT + 4], seq[PROMPT + 4 : PROMPT + 8]
     cache = target.new_cache(64)
     target.forward(np.array(prompt), cache)
     target.forward(np.array(x), cache)
-    cache.crop(PROMPT)
+    cache.commit(PROMPT)
     got, got_taps = target.forward(np.array(y), cache, tap_layers=(1,))
     fresh = target.new_cache(64)
     target.forward(np.array(prompt), fresh)
@@ -228,7 +228,7 @@ def test_crop_then_recompute_equals_fresh(models, seq):
     np.testing.assert_array_equal(got_taps, want_taps)
     assert cache.length == PROMPT + 4
     with pytest.raises(ValueError):
-        cache.crop(PROMPT + 5)
+        cache.commit(PROMPT + 5)
 
 
 def test_last_only_and_numpy_device(models, seq):

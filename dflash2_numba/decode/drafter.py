@@ -150,6 +150,6 @@ class OracleDrafter:
             top = np.argpartition(-row, n_top - 1)[:n_top]
             top = top[np.lexsort((top, -row[top]))]  # best few, descending, ties by id
             slots.append({"candidate_ids": top.tolist(), "candidate_scores": row[top].tolist()})
-        state.cache.crop(anchor_pos)  # block K/V never persist
+        state.cache.commit(anchor_pos)  # block K/V never persist
         q = np.stack(qs) if sample else None  # [n_rows-1, V]
         return Proposal(np.array(drafts, np.int64), q, {"slots": slots})

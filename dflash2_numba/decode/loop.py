@@ -8,16 +8,17 @@
 Per step, with `start` = position of the anchor (the newest committed token, not yet in the
 target KV cache) and `Q` the runtime block length:
 
-    Bv = min(Q, remaining budget)        # rows this step; the last step shrinks
+    Bv = min(Q, remaining budget)        # rows VERIFIED this step; the last step shrinks
     draft.extend_context(taps of committed tokens not yet in the draft context)
-    drafts = draft.propose(anchor, start, Bv)               # Bv-1 tokens (+ q when sampling)
+    drafts = draft.propose(anchor, start, Q)[:Bv-1]         # the draft always runs Q rows
     logits, taps = target.forward([anchor, d_1..], cache)   # ONE verify forward, positions start..
     a, x = verify_block(...)                                # a drafts accepted, x = bonus/correction
     emit d_1..d_a, x (truncated inclusively at the first stop id)
-    crop the target cache to start + a + 1; taps[0 : a+1] become the next draft context
+    cache.commit(start + a + 1); taps[0 : a+1] become the next draft context
 
-Emitting `Bv = min(Q, remaining)` rows yields at most `remaining` tokens, so the output is
-exactly max_new_tokens long when no stop id appears.
+The draft block is non-causal, so its length changes every row's output: it always runs Q
+rows (like vLLM and the z-lab reference), and only the verify is trimmed to `Bv` rows. Emitting
+at most `Bv` tokens keeps the output exactly max_new_tokens long when no stop id appears.
 """
 
 from __future__ import annotations
@@ -178,17 +179,21 @@ def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: S
         if Bv >= 2:
             draft.extend_context(dstate, ctx_taps, ctx_start, np.asarray(ids[ctx_start:start], np.int64))
             ctx_taps, ctx_start = None, start
-            prop = draft.propose(dstate, ids[start], start, Bv, sampling, rng)
-            drafts, q = np.asarray(prop.draft_ids, np.int64), prop.q  # [Bv-1], [Bv-1, V] | None
-            if drafts.shape != (Bv - 1,):
+            # the draft block is non-causal: its length changes every row's output, so it always
+            # runs the runtime Q rows (as vLLM and z-lab do); the budget only trims what is verified
+            prop = draft.propose(dstate, ids[start], start, Q, sampling, rng)
+            drafts, q = np.asarray(prop.draft_ids, np.int64), prop.q  # [Q-1], [Q-1, V] | None
+            if drafts.shape != (Q - 1,):
                 raise RuntimeError(f"{type(draft).__name__}.propose returned {drafts.shape[0]} drafts "
-                                   f"for a {Bv}-row block (expected {Bv - 1})")
+                                   f"for a {Q}-row block (expected {Q - 1})")
+            drafts = drafts[:Bv - 1]  # [Bv-1]
+            q = None if q is None else q[:Bv - 1]  # [Bv-1, V]
         t1 = time.perf_counter()
 
         block = np.concatenate([[ids[start]], drafts]).astype(np.int64)  # [Bv]
         logits, taps = target.forward(block, cache, tap_layers=tap_layers)  # [Bv, V], [Bv, T*H]
         a, x = verify_block(mask_padded(logits, vv), drafts, q, sampling, rng)
-        cache.crop(start + a + 1)  # keep the anchor and the a accepted drafts
+        cache.commit(start + a + 1)  # keep the anchor and the a accepted drafts (any layer kind)
         if draft is not None and taps is not None:
             acc = taps[:a + 1]  # [a+1, T*H], positions start..start+a
             ctx_taps = acc if ctx_taps is None else np.concatenate([ctx_taps, acc])

@@ -3,7 +3,7 @@
     target = TargetModel.load(model_dir, device="cpu", dtype="f32")
     cache  = target.new_cache(max_len)
     logits, taps = target.forward(ids, cache, tap_layers=(1, 3))   # prefill / verify / decode
-    cache.crop(n)                                                  # drop rejected positions
+    cache.commit(n)                                                # keep positions 0..n-1
 
 `forward` runs `ids` at positions cache.length .. cache.length+n-1, appends their K/V and
 returns logits for every row (row i predicts position cache.length+i+1) and, if asked, the
@@ -31,7 +31,7 @@ from .layers import RopeTables, embedding, mlp, rnd_if
 class KVCache:
     """Per-layer keys/values of positions 0..length-1: k, v [L, nkv, max_len, hd] f32.
 
-    Positions >= length are scratch: `forward` writes there, then bumps `length`; `crop(n)`
+    Positions >= length are scratch: `forward` writes there, then bumps `length`; `commit(n)`
     just lowers `length` (rejected drafts are overwritten by the next forward). The buffer
     doubles when a forward would run past max_len.
 
@@ -62,10 +62,12 @@ class KVCache:
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
 
-    def crop(self, n: int) -> None:
-        """Keep positions 0..n-1 (n <= length)."""
+    def commit(self, n: int) -> None:
+        """Keep positions 0..n-1 (n <= length): after a verify forward, n = the anchor's position
+        + accepted rows + 1. The one call the decode loop makes on a target cache of any layer
+        kind; a KV cache just lowers `length` (rejected rows are overwritten next time)."""
         if not 0 <= n <= self.length:
-            raise ValueError(f"KVCache.crop({n}): cache holds {self.length} positions")
+            raise ValueError(f"{type(self).__name__}.commit({n}): cache holds {self.length} positions")
         self.length = int(n)
 
 
