@@ -18,17 +18,20 @@ DTYPES = ("f32", "bf16")
 
 
 def load_target(model_dir, device: str = "cpu", dtype: str = "f32"):
-    """A Hugging Face Qwen3 / Llama directory -> TargetModel with `.tokenizer` attached."""
+    """A Hugging Face target directory (any family in `families.FAMILIES`) -> its model with
+    `.tokenizer` attached."""
     if device not in DEVICES:
         raise GenerationArgumentError(f"device must be one of {DEVICES}, got {device!r}")
     if dtype not in DTYPES:
         raise GenerationArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if device == "cuda":
         _require_cuda()
-    from .models.target import TargetModel  # lazy: importing compiles nothing, but keeps
-    from .tokenizer import Tokenizer        # `import dflash2_numba` cheap
+    from .families import target_family  # lazy: importing compiles nothing, but keeps
+    from .tokenizer import Tokenizer      # `import dflash2_numba` cheap
 
-    target = TargetModel.load(model_dir, device=device, dtype=dtype)
+    config_path, raw = read_config_json(model_dir)
+    model_class = target_family(raw, str(config_path)).model_class()
+    target = model_class.load(model_dir, device=device, dtype=dtype)
     tok = Tokenizer.from_dir(model_dir)
     target.tokenizer = tok
     # ids >= the tokenizer's size are padding (§2.1); the decode loop masks them to -inf

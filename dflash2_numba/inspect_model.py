@@ -17,12 +17,11 @@ from .checkpoint import DTYPES, INDEX_NAME, open_checkpoint
 from .config import (
     DRAFT_ARCHITECTURES,
     expected_draft_tensors,
-    expected_target_tensors,
     read_config_json,
     resolve_draft_config,
-    resolve_target_config,
 )
 from .errors import CheckpointError
+from .families import target_family
 
 # files that change what the model computes or emits, hashed when present
 SIDE_FILES = (
@@ -53,7 +52,8 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         cfg = resolve_draft_config(raw, source=str(config_path))
         kind = cfg.kind
     else:
-        cfg = resolve_target_config(raw, source=str(config_path))  # refuses unknown architectures
+        family = target_family(raw, str(config_path))  # refuses unknown architectures
+        cfg = family.resolve(raw, str(config_path))
         kind = "target"
     ckpt = open_checkpoint(path)
 
@@ -69,7 +69,7 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
     # the inventory a loader would demand; reported, not raised, so inspect still describes
     # a checkpoint the loader would refuse
     if kind == "target":
-        expected = expected_target_tensors(cfg)
+        expected = family.expected_tensors(cfg)
     else:
         vocab = cfg.vocab_size  # the draft's own claim; the loader uses the target's
         expected = expected_draft_tensors(cfg, vocab or 0, include_selector=vocab is not None)
@@ -84,7 +84,9 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         names = [f for f in SIDE_FILES if (path / f).is_file()] + [f.name for f in ckpt.files]
         files = {name: file_sha256(path / name) for name in names}
 
+    extra = family.describe(cfg) if kind == "target" and family.describe else {}
     return {
+        **extra,  # family facts (e.g. layer schedule, recurrent-state bytes per request)
         "path": str(path),
         "kind": kind,
         "architecture": cfg.architecture,

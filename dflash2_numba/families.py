@@ -1,0 +1,61 @@
+"""Target families: which config resolver, tensor inventory and model class a target
+directory gets, decided from its config.json (`architectures[0]` / `model_type`).
+
+    family = target_family(raw, source)      # raises UnknownArchitectureError
+    cfg    = family.resolve(raw, source)      # a frozen config dataclass (HF key names)
+    family.expected_tensors(cfg)              # ExpectedTensors for Checkpoint.require / inspect
+    family.model_class()                      # imported lazily: .load(dir, device, dtype)
+
+A new architecture is one more `TargetFamily` in FAMILIES; the decode loop never branches on
+the family (every target offers new_cache / forward / embed / lm_head / final_norm, and its
+cache offers length and commit(n)).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
+from .errors import UnknownArchitectureError
+
+
+@dataclass(frozen=True)
+class TargetFamily:
+    name: str
+    matches: Callable[[dict], bool]  # raw config.json -> is it this family?
+    resolve: Callable[[dict, str], object]  # (raw, source) -> config dataclass
+    expected_tensors: Callable[[object], object]  # config -> ExpectedTensors
+    model: str  # "module:Class", relative to the package, imported on first use
+    describe: Callable[[object], dict] | None = None  # config -> extra inspect facts
+
+    def model_class(self):
+        module, cls = self.model.split(":")
+        return getattr(importlib.import_module(module, __package__), cls)
+
+
+def _arch(raw: dict):
+    archs = raw.get("architectures")
+    return archs[0] if isinstance(archs, list) and archs else None
+
+
+FAMILIES: list[TargetFamily] = [
+    TargetFamily(
+        name="qwen3/llama",
+        matches=lambda raw: _arch(raw) in TARGET_ARCHITECTURES,
+        resolve=lambda raw, source: resolve_target_config(raw, source=source),
+        expected_tensors=expected_target_tensors,
+        model=".models.target:TargetModel",
+    ),
+]
+
+
+def target_family(raw: dict, source: str = "config.json") -> TargetFamily:
+    for family in FAMILIES:
+        if family.matches(raw):
+            return family
+    supported = sorted({a for a in TARGET_ARCHITECTURES})
+    raise UnknownArchitectureError(
+        f"{source}: architectures[0] = {_arch(raw)!r}, model_type = {raw.get('model_type')!r}; "
+        f"supported targets: {', '.join(supported)}")
