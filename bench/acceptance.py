@@ -47,6 +47,13 @@ DEFAULT_PROMPTS = ROOT / "bench" / "data" / "heldout_prompts.json"
 DEFAULT_OUT = ROOT / "bench" / "results" / "acceptance.json"
 
 
+def shown(path) -> str:
+    """A path as recorded in the results: relative to the checkout when inside it, so the
+    committed JSON names no machine's directories."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
+
 # ---------------------------------------------------------------- inputs
 def read_prompts(path: Path, n: int) -> list[dict]:
     """The first n prompts as {"text", "file"} (file None for plain strings)."""
@@ -214,8 +221,8 @@ def run(args) -> dict:
 
     base = aggs[0].tokens_per_s
     result = {"machine": machine_info(threads),
-              "settings": {"target": str(args.target), "dflash2": str(args.dflash2),
-                           "dflash": str(args.dflash), "prompts": str(args.prompts),
+              "settings": {"target": shown(args.target), "dflash2": shown(args.dflash2),
+                           "dflash": shown(args.dflash), "prompts": shown(args.prompts),
                            "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                            "block_sizes": args.block_sizes, "greedy": True,
                            "device": args.device, "dtype": args.dtype},
