@@ -78,9 +78,9 @@ def write_muse_target(directory, case: str) -> Path:
     return Path(directory)
 
 
-def hf_target(directory, dtype=torch.float32):
+def hf_target(directory, dtype=torch.float32, attn="eager"):
     return MuseGlimmerForConditionalGeneration.from_pretrained(directory, dtype=dtype,
-                                                               attn_implementation="eager").eval()
+                                                               attn_implementation=attn).eval()
 
 
 def hf_logits_and_taps(model, ids):
