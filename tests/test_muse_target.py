@@ -122,6 +122,33 @@ def test_greedy_64_matches_hf(dirs, case):
     assert ours.finish_reason == "length" and ours.output_ids == ref
 
 
+ROLLBACK_TOL = 2e-5
+
+
+@pytest.mark.parametrize("a", range(8))
+def test_commit_after_a_accepted_rows_equals_a_fresh_run(dirs, a):
+    """Q = 8 > W = 3 (stress): verify a block whose first a drafts are the target's greedy tokens
+    and the rest wrong, commit the anchor + a rows, then the next token's logits equal a fresh
+    run on the committed prefix, and the greedy token is the same. Tolerance ROLLBACK_TOL of
+    max|logit|: the fresh run batches rows differently (GEMV row groups; numpy's BLAS differs the
+    same way), measured 2-5e-6; keeping one rejected row or none moves them by > 1e-2."""
+    target, Q = MuseGlimmerTarget.load(dirs["stress"]), 8
+    ids = prompt(10, seed=7)
+    greedy = dn.generate(target, None, prompt_ids=ids, max_new_tokens=Q + 2).output_ids  # anchor, g1..g9
+    cache = target.new_cache(4)
+    target.forward(np.array(ids), cache)
+    wrong = [(t + 1) % 290 for t in greedy[1:Q]]
+    block = greedy[:1] + greedy[1:1 + a] + wrong[a:]  # [Q]: a right drafts, then wrong ones
+    logits, _ = target.forward(np.array(block), cache)
+    x = int(np.argmax(logits[a]))  # the verifier's correction / bonus token
+    assert x == greedy[a + 1]
+    cache.commit(len(ids) + a + 1)
+    nxt, _ = target.forward(np.array([x]), cache)
+    committed = ids + greedy[:a + 2]
+    fresh, _ = target.forward(np.array(committed), target.new_cache(len(committed)), last_only=True)
+    assert rel(nxt, fresh) <= ROLLBACK_TOL and int(np.argmax(nxt[0])) == greedy[a + 2]
+
+
 # ---------------------------------------------------------------- layouts
 def test_text_model_layout_without_head(dirs, tmp_path):
     """MuseGlimmerTextModel.save_pretrained: flat muse_glimmer_text config, no prefix, no head;
@@ -166,6 +193,17 @@ def test_inspect_shows_schedule_state_and_ignored_vision(dirs):
     text = format_inspect(report)
     assert "layer schedule: 0 sliding+rope, 1 global+nope, 2-4 sliding+rope, 5 global+nope" in text
     assert "ignored:" in text and "model.vision_tower." in text
+
+
+def test_cli_inspect_prints_the_schedule(dirs):
+    from click.testing import CliRunner
+
+    from dflash2_numba.cli import main
+
+    r = CliRunner().invoke(main, ["inspect", str(dirs["f32"]), "--no-hash"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "layer schedule: 0-2 sliding+rope, 3 global+nope" in r.output
+    assert "state per request at 512 positions (Q=16)" in r.output and "model.vision_projection.weight" in r.output
 
 
 def test_full_size_30b_config_schedule_and_state():
