@@ -24,6 +24,7 @@ from dflash2_numba.config_muse import check_muse_pairing, resolve_muse_config
 from dflash2_numba.decode.sampling import SamplingParams
 from dflash2_numba.errors import PairingError, UnsupportedConfigError
 from dflash2_numba.inspect_model import inspect_model
+from dflash2_numba.kernels.cuda_ops import cuda_available
 from dflash2_numba.models.draft import DFlashDraft
 from dflash2_numba.models.muse_glimmer import MuseGlimmerTarget
 
@@ -233,7 +234,7 @@ def fast_simulator_switching():
     sys.setswitchinterval(old)
 
 
-@pytest.mark.skipif(not numba.config.ENABLE_CUDASIM, reason="sized for the CUDA simulator")
+@pytest.mark.skipif(not (numba.config.ENABLE_CUDASIM or cuda_available()), reason="no CUDA device, no simulator")
 def test_muse_decode_on_cuda_equals_cpu(tmp_path, fast_simulator_switching):
     """A 2-layer Muse ([sliding, global], W 2) with a DFlash2 draft: device "cuda" (the simulator
     here) emits the CPU's tokens, which are the target's own greedy tokens."""
