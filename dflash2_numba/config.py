@@ -24,7 +24,10 @@ from .errors import (
 )
 
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
-DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2",
+                       "MuseGlimmerAssistantModel": "dflash"}  # Meta's DFlash v1 head for Muse-Glimmer
+MUSE_ASSISTANT = "MuseGlimmerAssistantModel"
+MUSE_ASSISTANT_ROPE_THETA = 500000.0  # MuseGlimmerAssistantConfig's default_theta
 DEFAULT_ROPE_THETA = 1e6
 
 
@@ -212,6 +215,13 @@ class DraftConfig:
     def conv_groups(self) -> int:  # G = H / S
         return self.hidden_size // self.conv_group_size
 
+    @property
+    def context_tensor_names(self) -> tuple[str, str]:
+        """(context projection, its norm): z-lab names, or the Muse assistant's `encoder.*`."""
+        if self.architecture == MUSE_ASSISTANT:
+            return "encoder.fc.weight", "encoder.output_norm_enc.weight"
+        return "fc.weight", "hidden_norm.weight"
+
 
 def _first(*candidates):
     """First value that is not None (first hit wins)."""
@@ -275,7 +285,7 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
     num_target_layers = _first(
         raw.get("num_target_layers"), dc.get("num_target_layers"), target.num_hidden_layers if target else None
     )
-    if num_target_layers is None:
+    if num_target_layers is None and arch != MUSE_ASSISTANT:  # the assistant names its taps, no count
         raise ConfigError(f"{source}: num_target_layers unknown and no target given")
     tap_ids = _first(dc.get("target_layer_ids"), raw.get("target_layer_ids"))
     if tap_ids is None:
@@ -298,6 +308,9 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
         raise ConfigError(f"{source}: a layer slides but no window (dflash_config.swa_window_size, sliding_window)")
     layer_window = [int(window) if s else None for s in sliding]
     layer_causal = _layer_causality(raw, dc, n_layers, layer_types, source)
+    rope_theta = _rope_theta(raw)
+    if arch == MUSE_ASSISTANT:
+        layer_causal, layer_window, rope_theta = _muse_assistant_rules(raw, layer_window, source)
 
     v2: dict = {}
     if kind == "dflash2":
@@ -324,11 +337,11 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
         num_key_value_heads=int(raw.get("num_key_value_heads") or nh),
         head_dim=int(raw.get("head_dim") or H // nh),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw),
+        rope_theta=rope_theta,
         block_size=int(block_size),
         mask_token_id=int(mask_token_id),
         target_layer_ids=[int(i) for i in tap_ids],
-        num_target_layers=int(num_target_layers),
+        num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
         layer_types=list(layer_types) if layer_types is not None else None,
         sliding_window=int(window) if window is not None else None,
         layer_causal=layer_causal,
@@ -340,6 +353,22 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
         source=source,
         **v2,
     )
+
+
+def _muse_assistant_rules(raw: dict, layer_window: list, source: str):
+    """MuseGlimmerAssistantModel (HF) -> (layer_causal, layer_window, rope_theta).
+
+    Always non-causal (HF hard-codes it; the config has no is_causal, and the legacy rule
+    "causal iff sliding" would wrongly make every layer causal). Its sliding mask (HF eager /
+    sdpa) shows keys with |q - s| <= W, one more than the z-lab rule |q - s| <= W-1 that the
+    attention kernel's `window` means, hence window W+1. RoPE theta defaults to the class's 5e5."""
+    if raw.get("is_causal") is not None and raw.get("is_causal") is not False:
+        raise UnsupportedConfigError(
+            f"{source}: is_causal = {raw['is_causal']!r} for {MUSE_ASSISTANT}; expected absent or false "
+            "(the assistant's block attention is always bidirectional)")
+    has_theta = raw.get("rope_theta") is not None or (raw.get("rope_parameters") or {}).get("rope_theta") is not None
+    theta = _rope_theta(raw) if has_theta else MUSE_ASSISTANT_ROPE_THETA
+    return [False] * len(layer_window), [w + 1 if w else None for w in layer_window], theta
 
 
 def load_draft_config(draft_dir: str | Path, target: TargetConfig | None = None) -> DraftConfig:
@@ -412,8 +441,9 @@ def expected_draft_tensors(cfg: DraftConfig, vocab_size: int, include_selector: 
     With `include_selector=False` the selector tensors are tolerated but not required."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {"fc.weight": (H, cfg.n_taps * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
-    notes = {"fc.weight": f"[hidden_size, n_taps * hidden_size] with {cfg.n_taps} taps {cfg.target_layer_ids}"}
+    fc, ctx_norm = cfg.context_tensor_names
+    shapes = {fc: (H, cfg.n_taps * H), ctx_norm: (H,), "norm.weight": (H,)}
+    notes = {fc: f"[hidden_size, n_taps * hidden_size] with {cfg.n_taps} taps {cfg.target_layer_ids}"}
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         shapes |= {

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
+from .config_muse import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, expected_muse_tensors,
+                          ignored_muse_tensors, resolve_muse_config)
 from .errors import UnknownArchitectureError
 
 
@@ -29,6 +31,7 @@ class TargetFamily:
     expected_tensors: Callable[[object], object]  # config -> ExpectedTensors
     model: str  # "module:Class", relative to the package, imported on first use
     describe: Callable[[object], dict] | None = None  # config -> extra inspect facts
+    ignored: Callable[[object, list], list] | None = None  # (config, tensor names) -> names ignored BY NAME
 
     def model_class(self):
         module, cls = self.model.split(":")
@@ -48,6 +51,15 @@ FAMILIES: list[TargetFamily] = [
         expected_tensors=expected_target_tensors,
         model=".models.target:TargetModel",
     ),
+    TargetFamily(
+        name="muse-glimmer",
+        matches=lambda raw: raw.get("model_type") in MUSE_MODEL_TYPES or _arch(raw) in MUSE_ARCHITECTURES,
+        resolve=lambda raw, source: resolve_muse_config(raw, source=source),
+        expected_tensors=expected_muse_tensors,
+        model=".models.muse_glimmer:MuseGlimmerTarget",
+        describe=describe_muse,
+        ignored=ignored_muse_tensors,
+    ),
 ]
 
 
@@ -55,7 +67,7 @@ def target_family(raw: dict, source: str = "config.json") -> TargetFamily:
     for family in FAMILIES:
         if family.matches(raw):
             return family
-    supported = sorted({a for a in TARGET_ARCHITECTURES})
+    supported = sorted({*TARGET_ARCHITECTURES, *MUSE_ARCHITECTURES})
     raise UnknownArchitectureError(
         f"{source}: architectures[0] = {_arch(raw)!r}, model_type = {raw.get('model_type')!r}; "
         f"supported targets: {', '.join(supported)}")

@@ -73,6 +73,8 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
     else:
         vocab = cfg.vocab_size  # the draft's own claim; the loader uses the target's
         expected = expected_draft_tensors(cfg, vocab or 0, include_selector=vocab is not None)
+    ignored = family.ignored(cfg, ckpt.names()) if kind == "target" and family.ignored else []
+    expected.optional |= set(ignored)  # present, deliberately not read (e.g. a vision tower)
     try:
         ckpt.require(expected)
         inventory_error = None
@@ -97,6 +99,7 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         "num_bytes": n_bytes,
         "dtypes": sorted({t["dtype"] for t in tensors}),
         "inventory_error": inventory_error,
+        "ignored_tensors": ignored,
         "sha256": files,
     }
 
@@ -116,8 +119,12 @@ def format_inspect(report: dict) -> str:
         f"  parameters: {report['num_parameters']:,} in {report['num_tensors']} tensors, "
         f"{_human_bytes(report['num_bytes'])} ({', '.join(report['dtypes']) or 'no tensors'})",
         f"  inventory:  {'ok' if report['inventory_error'] is None else report['inventory_error']}",
-        "config:",
     ]
+    lines += [f"  {line}" for line in report.get("summary_lines", [])]  # family facts
+    if report.get("ignored_tensors"):
+        names = report["ignored_tensors"]
+        lines.append(f"  ignored:    {len(names)} tensors not read (by name): {', '.join(names)}")
+    lines.append("config:")
     width = max((len(k) for k in report["config"]), default=0)
     lines += [f"  {k.ljust(width)}  {v}" for k, v in report["config"].items()]
     lines.append("tensors:")

@@ -58,11 +58,14 @@ class DFlashDraft:
         self.target_layer_ids = list(config.target_layer_ids)
         self.mask_token_id = config.mask_token_id
         check_pairing(config, target.config)
+        if hasattr(target, "check_draft_pairing"):  # family-specific agreement (e.g. Muse-Glimmer)
+            target.check_draft_pairing(config)
         self._validate_inventory()
         self.mask_embedding = target.embed(np.array([config.mask_token_id]))[0]  # [H] f32
         get, w = checkpoint.get, self.ops.prepare_weight
-        self.fc = w(get("fc.weight"))  # [H, n_taps*H]
-        self.hidden_norm = as_f32(get("hidden_norm.weight"))  # [H]
+        fc_name, ctx_norm_name = config.context_tensor_names  # fc / hidden_norm (Muse: encoder.*)
+        self.fc = w(get(fc_name))  # [H, n_taps*H]
+        self.hidden_norm = as_f32(get(ctx_norm_name))  # [H]
         self.norm = as_f32(get("norm.weight"))  # [H]
         self.layers = []
         for i in range(config.num_hidden_layers):
