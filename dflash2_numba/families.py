@@ -19,6 +19,8 @@ from typing import Callable
 
 from .config import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
 from .errors import UnknownArchitectureError
+from .models.qwen3_5_config import (ARCHITECTURES as QWEN3_5_ARCHITECTURES, describe_qwen3_5,
+                                    expected_qwen3_5_tensors, is_qwen3_5, resolve_qwen3_5_config)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,14 @@ FAMILIES: list[TargetFamily] = [
         expected_tensors=expected_target_tensors,
         model=".models.target:TargetModel",
     ),
+    TargetFamily(  # hybrid Gated DeltaNet + gated attention (Qwen3.5 / Qwen3.8 dense)
+        name="qwen3_5",
+        matches=is_qwen3_5,  # also claims Qwen3.5-MoE / Qwen3-Next, to refuse them by name
+        resolve=lambda raw, source: resolve_qwen3_5_config(raw, source),
+        expected_tensors=expected_qwen3_5_tensors,
+        model=".models.qwen3_5:Qwen3_5Model",
+        describe=describe_qwen3_5,
+    ),
 ]
 
 
@@ -55,7 +65,7 @@ def target_family(raw: dict, source: str = "config.json") -> TargetFamily:
     for family in FAMILIES:
         if family.matches(raw):
             return family
-    supported = sorted({a for a in TARGET_ARCHITECTURES})
+    supported = sorted(set(TARGET_ARCHITECTURES) | set(QWEN3_5_ARCHITECTURES.values()))
     raise UnknownArchitectureError(
         f"{source}: architectures[0] = {_arch(raw)!r}, model_type = {raw.get('model_type')!r}; "
         f"supported targets: {', '.join(supported)}")
