@@ -16,7 +16,7 @@ Contracts (all float32 activations):
     rms_norm(x [..., D], w [D], eps, bf16) -> [..., D]       (kernels/rowwise.py; models/layers.py)
     apply_rope(x [n, heads, hd], cos [n, hd], sin [n, hd], bf16) -> [n, heads, hd]   (the same)
     prepare_weight(w) -> the array to hand to linear (identity, or an f32 copy)
-    short_conv(window [K-1+n, C], w [C, K]) -> [n, C]                      (kernels/gdn.py)
+    short_conv(window [K-1+n, C], w [C, K], bf16) -> [n, C]                (kernels/gdn.py)
     gated_delta(q, k, v, g, beta, state_in, state_out) -> o [n, Hv, dv]    (kernels/gdn.py)
 """
 

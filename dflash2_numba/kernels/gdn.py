@@ -1,8 +1,10 @@
 """Gated DeltaNet kernels (docs/targets/qwen3_5.md §2): the causal depthwise short conv and the
 gated delta-rule recurrence, each as an `@njit` kernel beside its plain numpy reference.
 
-    short_conv(window [K-1+n, C], w [C, K]) -> [n, C]
+    short_conv(window [K-1+n, C], w [C, K], bf16) -> [n, C]
         out[t, c] = silu( sum_j w[c, j] * window[t + j, c] )        (w[:, K-1] hits the newest row)
+        bf16: the sum is rounded to bf16 before the silu and the silu after it (torch's bf16
+        conv1d accumulates in f32 and rounds once; silu then runs on that bf16 value)
         `window` = the K-1 cached raw rows ++ the n new raw rows; the caller keeps the right
         K-1 rows of it as the next conv state.
 
@@ -23,6 +25,7 @@ import numpy as np
 from numba import njit
 
 from ..errors import KernelArgumentError
+from ..numerics import round_bf16, round_bf16_array
 
 L2_EPS = 1e-6  # fixed in HF's kernel call (use_qk_l2norm_in_kernel=True), not rms_norm_eps
 
@@ -54,19 +57,21 @@ def _f32(a):
 
 
 # ------------------------------------------------------------------ short conv
-def short_conv_reference(window: np.ndarray, w: np.ndarray) -> np.ndarray:
+def short_conv_reference(window: np.ndarray, w: np.ndarray, bf16: bool = False) -> np.ndarray:
     """numpy: [K-1+n, C], [C, K] -> [n, C] (silu applied)."""
     K = w.shape[1]
     n = window.shape[0] - (K - 1)
     acc = np.zeros((n, w.shape[0]), np.float32)  # [n, C]
     for j in range(K):
         acc += window[j : j + n] * w[:, j][None, :]  # tap j: rows t+j of the window
+    acc = round_bf16_array(acc) if bf16 else acc
     with np.errstate(over="ignore"):
-        return acc / (np.float32(1.0) + np.exp(-acc))  # silu
+        out = acc / (np.float32(1.0) + np.exp(-acc))  # silu
+    return round_bf16_array(out) if bf16 else out
 
 
 @njit(cache=True)
-def _short_conv_kernel(window, w, out):
+def _short_conv_kernel(window, w, bf16, out):
     n, C = out.shape
     K = w.shape[1]
     for t in range(n):
@@ -74,15 +79,18 @@ def _short_conv_kernel(window, w, out):
             acc = np.float32(0.0)
             for j in range(K):
                 acc += w[c, j] * window[t + j, c]
-            out[t, c] = acc / (np.float32(1.0) + np.exp(-acc))
+            if bf16:
+                acc = round_bf16(acc)
+            y = acc / (np.float32(1.0) + np.exp(-acc))
+            out[t, c] = round_bf16(y) if bf16 else y
 
 
-def short_conv(window: np.ndarray, w: np.ndarray) -> np.ndarray:
+def short_conv(window: np.ndarray, w: np.ndarray, bf16: bool = False) -> np.ndarray:
     """@njit: [K-1+n, C], [C, K] -> [n, C] f32."""
     check_short_conv_args("short_conv", window, w)
     window, w = _f32(window), _f32(w)
     out = np.empty((window.shape[0] - (w.shape[1] - 1), w.shape[0]), np.float32)  # [n, C]
-    _short_conv_kernel(window, w, out)
+    _short_conv_kernel(window, w, bool(bf16), out)
     return out
 
 

@@ -187,7 +187,7 @@ class Qwen3_5Model:
         b = rnd_if(linear(x, layer["b"]), bf16)  # [n, Hv]
         a = rnd_if(linear(x, layer["a"]), bf16)  # [n, Hv]
         window = cache.conv_window(i, raw)  # [K-1+n, C]
-        mixed = rnd_if(ops.short_conv(window, layer["conv_w"]), bf16)  # [n, C] silu(conv)
+        mixed = ops.short_conv(window, layer["conv_w"], bf16)  # [n, C] silu(conv)
         kd = c.key_dim
         q = mixed[:, :kd].reshape(n, Hk, dk)  # [n, Hk, dk]
         k = mixed[:, kd : 2 * kd].reshape(n, Hk, dk)  # [n, Hk, dk]
