@@ -359,6 +359,7 @@ def write_draft(path, target_dir, *, kind: str = "dflash2", num_hidden_layers: i
         raise ValueError(f"kind must be 'dflash' or 'dflash2', got {kind!r}")
     target_dir = Path(target_dir)
     tcfg = json.loads((target_dir / "config.json").read_text())
+    tcfg = tcfg.get("text_config") or tcfg  # multimodal layouts (Qwen3.5): the text stack's keys
     H, V, L_target = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["num_hidden_layers"]
     nh = num_attention_heads or tcfg["num_attention_heads"]
     nkv = num_key_value_heads or tcfg.get("num_key_value_heads", nh)

@@ -2,21 +2,24 @@
 recurrent state for the Gated DeltaNet layers, behind the one `commit(n)` the decode loop calls.
 
 A recurrent state cannot be cropped: S after row m of a verify block is not recoverable from S
-after the last row. The scheme here (docs/targets/qwen3_5.md, "Rollback"):
+after the last row. The scheme here (docs/targets/qwen3_5.md, "Rollback"): keep the state at a
+FLOOR position and every recurrence input since, and replay the accepted rows on commit.
 
-- Double buffer. Every forward swaps `state` and `pre` and runs the recurrence FROM `pre` INTO
-  `state`, so `pre` keeps the state before the block at no copy cost. The forward leaves the
-  cache as if every row were accepted (length += n, state = after the last row).
-- Capture. Each GDN layer records the block's recurrence inputs (q, k, v, g, beta) and its conv
-  window ([old conv state | the block's raw qkv rows]).
-- `commit(n)` with n = block start + m: the conv state becomes rows m..m+K-2 of the window, and
-  the recurrence is REPLAYED over the first m captured rows from `pre` into `state` (the same
-  deterministic kernel as the forward, so the state is bit-identical to the forward's after row
-  m-1). Full acceptance (n = length) costs nothing. Replay costs m rows of the recurrence per
-  GDN layer: ~4 Hv dk dv flops per row, no weights read.
+- Floor. `pre` holds the recurrent state at position `floor`, `conv_floor` the conv state there.
+  The first forward after a commit swaps the `state` / `pre` buffers and runs the recurrence
+  FROM `pre` INTO `state`, so keeping the floor state costs no copy. A forward always leaves the
+  cache as if every row were accepted (length += n, state = after its last row).
+- Capture. Each GDN layer records its recurrence inputs (q, k, v, g, beta) and its raw qkv rows
+  for every row since the floor.
+- `commit(n)`, floor <= n <= length: with m = n - floor, the conv state becomes rows m..m+K-2
+  of [conv_floor | raw rows], and the recurrence is REPLAYED over the first m captured rows from
+  `pre` into `state` (the same deterministic kernel as the forward, so the state equals the
+  forward's after row m-1 bit for bit). n = length costs nothing. Then n is the new floor.
 
-Rolling back past the start of the last forward is impossible (the older states are gone) and
-is refused.
+The decode loop commits after every verify forward, so only one block is ever captured. Several
+forwards without a commit (a drafter that runs the target row by row, then commits back to its
+anchor) stay replayable as long as they hold at most REPLAY_ROWS rows; a forward that would go
+past that first seals the rows before it (commits them: they can no longer be rolled back).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import numpy as np
 
 from .target import KVCache
 
+REPLAY_ROWS = 32  # most rows kept replayable (per GDN layer ~ (2 Hk dk + Hv dv + 2 Hv + C) f32 each)
+
 
 class HybridCache:
     """length: positions held. kv: KVCache of the attention layers (slot = attention_slot[i]).
-    conv [n_gdn, K-1, C], state / pre [n_gdn, Hv, dk, dv] f32 (device buffers on CUDA)."""
+    conv [n_gdn, K-1, C] f32; state / pre [n_gdn, Hv, dk, dv] f32 (device buffers on CUDA)."""
 
     def __init__(self, config, ops, max_len: int = 256):
         c = config
@@ -40,24 +45,32 @@ class HybridCache:
         n_gdn, K = max(1, len(self.gdn_slot)), c.linear_conv_kernel_dim
         state_shape = (n_gdn, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         self.conv = np.zeros((n_gdn, K - 1, c.conv_dim), np.float32)  # [n_gdn, K-1, C] raw qkv rows
-        self.state = zeros(state_shape, dtype=np.float32)  # after the last committed row
-        self.pre = zeros(state_shape, dtype=np.float32)  # before the last forward's block
-        self.captured: list[tuple | None] = [None] * n_gdn  # per GDN layer: (window, q, k, v, g, beta)
+        self.conv_floor = self.conv.copy()
+        self.state = zeros(state_shape, dtype=np.float32)  # after position length-1
+        self.pre = zeros(state_shape, dtype=np.float32)  # at the floor (valid while rows are captured)
+        self.captured: list[list[tuple]] = [[] for _ in range(n_gdn)]  # per GDN layer: (raw, q, k, v, g, beta)
         self.length = 0
-        self.block_start = 0  # first position of the last forward: the rollback floor
-        self.block_rows = 0
+        self.floor = 0  # the lowest position commit(n) may return to
+        self._from_pre = False  # does the running forward start from `pre`?
 
     @property
     def max_len(self) -> int:
         return self.kv.max_len
 
+    @property
+    def replayable_rows(self) -> int:
+        return self.length - self.floor
+
     # ------------------------------------------------------------------ forward side
     def begin_block(self, n: int) -> None:
         """Called by the model before a forward of n rows."""
         self.kv.reserve(n)
-        self.pre, self.state = self.state, self.pre  # run from the committed state into the other buffer
-        self.block_start, self.block_rows = self.length, n
-        self.captured = [None] * len(self.captured)
+        if self.replayable_rows and self.replayable_rows + n > REPLAY_ROWS:
+            self._seal()
+        self._from_pre = self.replayable_rows == 0
+        if self._from_pre:  # the committed state becomes the floor state: swap, no copy
+            self.pre, self.state = self.state, self.pre
+        self._rows = n
 
     def conv_window(self, layer: int, raw: np.ndarray) -> np.ndarray:
         """[K-1, C] cached rows ++ raw [n, C] -> window [K-1+n, C]; the conv state moves to its
@@ -67,32 +80,41 @@ class HybridCache:
         self.conv[j] = window[window.shape[0] - self.conv.shape[1]:]
         return window
 
-    def recurrence(self, layer: int, window, q, k, v, g, beta) -> np.ndarray:
-        """Run the gated delta rule for the block from `pre` into `state`, keeping its inputs."""
+    def recurrence(self, layer: int, raw, q, k, v, g, beta) -> np.ndarray:
+        """The gated delta rule over the block (from `pre` if it is the first block since the
+        floor, else in place), its inputs captured for a replay."""
         j = self.gdn_slot[layer]
-        self.captured[j] = (window, q, k, v, g, beta)
-        return self.ops.gated_delta(q, k, v, g, beta, self.pre[j], self.state[j])  # [n, Hv, dv]
+        self.captured[j].append((raw, q, k, v, g, beta))
+        source = self.pre[j] if self._from_pre else self.state[j]
+        return self.ops.gated_delta(q, k, v, g, beta, source, self.state[j])  # [n, Hv, dv]
 
     def end_block(self) -> None:
-        self.length = self.block_start + self.block_rows
+        self.length += self._rows
         self.kv.length = self.length
+
+    def _seal(self) -> None:
+        """Accept everything held: the current state becomes the floor."""
+        self.floor = self.length
+        self.conv_floor = self.conv.copy()
+        self.captured = [[] for _ in self.captured]
 
     # ------------------------------------------------------------------ the decode loop's call
     def commit(self, n: int) -> None:
-        """Keep positions 0..n-1: the state becomes exactly the state after position n-1."""
-        if not self.block_start <= n <= self.length:
-            lo = self.block_start
-            raise ValueError(f"{type(self).__name__}.commit({n}): a hybrid cache can keep {lo}..{self.length} "
-                             f"positions (the recurrent state before position {lo} is gone)")
-        if n == self.length:
-            return
-        m = n - self.block_start  # accepted rows of the last block
-        K1 = self.conv.shape[1]
-        for j, captured in enumerate(self.captured):
-            if captured is None:
-                continue
-            window, q, k, v, g, beta = captured
-            self.conv[j] = window[m : m + K1]  # the K-1 raw rows before position n
-            self.ops.gated_delta(q[:m], k[:m], v[:m], g[:m], beta[:m], self.pre[j], self.state[j])
-        self.length = n
-        self.kv.commit(n)
+        """Keep positions 0..n-1: every layer's state becomes exactly the state after position
+        n-1. n may go back to the floor (the last commit, or a sealed position), no further."""
+        if not self.floor <= n <= self.length:
+            raise ValueError(f"{type(self).__name__}.commit({n}): a hybrid cache can keep {self.floor}.."
+                             f"{self.length} positions (the recurrent state before position {self.floor} "
+                             "is gone)")
+        if n < self.length:
+            m, K1 = n - self.floor, self.conv.shape[1]
+            for j, blocks in enumerate(self.captured):
+                if not blocks:
+                    continue
+                raw, q, k, v, g, beta = (np.concatenate(parts)[:m] for parts in zip(*blocks))
+                window = np.concatenate([self.conv_floor[j], raw])  # [K-1+m, C]
+                self.conv[j] = window[m : m + K1]  # the K-1 raw rows before position n
+                self.ops.gated_delta(q, k, v, g, beta, self.pre[j], self.state[j])
+            self.length = n
+            self.kv.commit(n)
+        self._seal()

@@ -194,7 +194,7 @@ class Qwen3_5Model:
         v = mixed[:, 2 * kd :].reshape(n, Hv, dv)  # [n, Hv, dv]
         beta = rnd_if(sigmoid(b), bf16)  # [n, Hv] in the model dtype, as HF
         g = (layer["neg_A"] * softplus(a + layer["dt_bias"])).astype(np.float32)  # [n, Hv] f32 log-decay
-        o = rnd_if(cache.recurrence(i, window, q, k, v, g, beta), bf16)  # [n, Hv, dv]
+        o = rnd_if(cache.recurrence(i, raw, q, k, v, g, beta), bf16)  # [n, Hv, dv]
         y = ops.rms_norm(o, layer["norm"], c.rms_norm_eps, bf16)  # [n, Hv, dv] plain-weight norm
         y = rnd_if(y * silu(z), bf16).reshape(n, Hv * dv)  # gate after the norm, in f32
         return rnd_if(linear(y, layer["out"]), bf16)  # [n, H]
