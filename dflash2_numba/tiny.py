@@ -296,7 +296,13 @@ def write_target(path, *, architecture: str = "qwen3", hidden_size: int = 64,
         "bos_token_id": bos_id, "eos_token_id": [ids[ENDOFTEXT], ids[IM_END]],
         "pad_token_id": ids[ENDOFTEXT], "do_sample": False})
 
-    # ---- tokenizer files
+    write_tokenizer_files(model_dir, tok, architecture, max_position_embeddings, chat_template)
+    return model_dir
+
+
+def write_tokenizer_files(model_dir: Path, tok: Tokenizer, architecture: str, max_position_embeddings: int,
+                          chat_template: bool = True) -> None:
+    """tokenizer.json + tokenizer_config.json (Llama: BOS prepended; ChatML template)."""
     (model_dir / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
@@ -309,7 +315,6 @@ def write_target(path, *, architecture: str = "qwen3", hidden_size: int = 64,
         prefix = "{{- bos_token }}\n" if architecture == "llama" else ""
         tok_config["chat_template"] = prefix + CHAT_TEMPLATE
     _write_json(model_dir / "tokenizer_config.json", tok_config)
-    return model_dir
 
 
 # ---------------------------------------------------------------- draft

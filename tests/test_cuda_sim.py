@@ -256,7 +256,7 @@ def test_linear_matches_reference(wdtype):
 def test_get_ops_cuda_has_the_cpu_methods():
     cpu, gpu = get_ops("cpu"), get_ops("cuda")
     assert gpu.device == "cuda"
-    for name in ("linear", "attention", "grouped_conv", "prepare_weight"):
+    for name in ("linear", "attention", "grouped_conv", "prepare_weight", "short_conv", "gated_delta"):
         assert callable(getattr(gpu, name)) and callable(getattr(cpu, name))
 
 
