@@ -85,6 +85,8 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         files = {name: file_sha256(path / name) for name in names}
 
     extra = family.describe(cfg) if kind == "target" and family.describe else {}
+    prefixes = getattr(expected, "ignored_prefixes", {})  # tensors a family skips by name
+    ignored = {t["name"]: why for t in tensors for p, why in prefixes.items() if t["name"].startswith(p)}
     return {
         **extra,  # family facts (e.g. layer schedule, recurrent-state bytes per request)
         "path": str(path),
@@ -97,6 +99,7 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         "num_bytes": n_bytes,
         "dtypes": sorted({t["dtype"] for t in tensors}),
         "inventory_error": inventory_error,
+        "ignored_tensors": ignored,  # name -> why it is not loaded
         "sha256": files,
     }
 
@@ -116,14 +119,32 @@ def format_inspect(report: dict) -> str:
         f"  parameters: {report['num_parameters']:,} in {report['num_tensors']} tensors, "
         f"{_human_bytes(report['num_bytes'])} ({', '.join(report['dtypes']) or 'no tensors'})",
         f"  inventory:  {'ok' if report['inventory_error'] is None else report['inventory_error']}",
-        "config:",
     ]
+    if "layer_schedule" in report:  # hybrid targets (families.describe): schedule and state sizes
+        sizes = report["state_sizes"]
+        lines += [
+            f"  layers:     {report['layer_schedule']}  ({report['layer_schedule_legend']})",
+            f"  recurrent state per request: {report['recurrent_state_bytes']:,} B "
+            f"({_human_bytes(report['recurrent_state_bytes'])}: delta-rule state "
+            f"{_human_bytes(sizes['recurrent_state'])} + conv state {_human_bytes(sizes['conv_state'])})",
+            f"  rollback buffers ({sizes['rollback_block_rows']}-row block): {_human_bytes(sizes['rollback'])}; "
+            f"KV per position: {_human_bytes(sizes['kv_per_token'])}",
+        ]
+    ignored = report.get("ignored_tensors") or {}
+    if ignored:
+        reasons = {}
+        for name, why in ignored.items():
+            reasons.setdefault(why, []).append(name)
+        lines.append(f"  ignored:    {len(ignored)} tensors, not loaded (by name)")
+        lines += [f"    {len(names)} x {names[0]} ... : {why}" for why, names in reasons.items()]
+    lines.append("config:")
     width = max((len(k) for k in report["config"]), default=0)
     lines += [f"  {k.ljust(width)}  {v}" for k, v in report["config"].items()]
     lines.append("tensors:")
     width = max((len(t["name"]) for t in report["tensors"]), default=0)
     for t in report["tensors"]:
-        lines.append(f"  {t['name'].ljust(width)}  {t['dtype']:<4} {str(t['shape']):<18} {t['file']}")
+        mark = "  (ignored)" if t["name"] in ignored else ""
+        lines.append(f"  {t['name'].ljust(width)}  {t['dtype']:<4} {str(t['shape']):<18} {t['file']}{mark}")
     if report["sha256"]:
         lines.append("sha256:")
         lines += [f"  {digest}  {name}" for name, digest in report["sha256"].items()]
