@@ -188,6 +188,12 @@ def test_config_resolution_and_refusals():
     with pytest.raises(UnsupportedConfigError, match=r"layer_types\[2\].*sliding"):
         resolve_qwen3_5_config({**base, "layer_types": ["linear_attention", "full_attention", "sliding_attention"]
                                 + ["full_attention"] * 5})
+    # multimodal layout: the TOP-LEVEL tie_word_embeddings ties (what transformers 5.24 does)
+    text = {k: v for k, v in base.items() if k != "architectures"}
+    mm = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"}
+    assert resolve_qwen3_5_config({**mm, "tie_word_embeddings": True,
+                                   "text_config": {**text, "tie_word_embeddings": False}}).tie_word_embeddings
+    assert not resolve_qwen3_5_config({**mm, "text_config": {**text, "tie_word_embeddings": True}}).tie_word_embeddings
     with pytest.raises(ConfigError, match="text_config"):
         resolve_qwen3_5_config({**base, "model_type": "qwen3_5"})
     with pytest.raises(ConfigError, match="linear_num_value_heads 3"):
