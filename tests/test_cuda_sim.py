@@ -369,6 +369,6 @@ def test_gpu_check_small_runs_on_the_simulator(capsys):
     spec.loader.exec_module(gpu_check)
     assert gpu_check.main(["--small"]) == 0
     out = capsys.readouterr().out
-    for kind in ("conv", "attention", "linear", "decode"):
+    for kind in ("conv", "attention", "linear", "gdn", "decode"):
         assert any(line.startswith(kind) and " PASS " in line for line in out.splitlines()), kind
-    assert "FAIL" not in out and "14/14 passed" in out
+    assert "FAIL" not in out and "18/18 passed" in out
