@@ -22,6 +22,7 @@ from dflash2_numba.decode.drafter import OracleDrafter
 from dflash2_numba.kernels.backend import get_ops
 from dflash2_numba.decode.sampling import SamplingParams
 from dflash2_numba.models.draft import load_draft
+from dflash2_numba.models.hybrid_cache import REPLAY_ROWS
 from dflash2_numba.models.qwen3_5 import Qwen3_5Model
 from dflash2_numba.models.qwen3_5_config import resolve_qwen3_5_config
 
@@ -150,6 +151,11 @@ def test_commit_refuses_below_the_floor(target):
     cache.commit(4)
     with pytest.raises(ValueError, match=r"commit\(3\).*4\.\.4"):
         cache.commit(3)
+    # a block longer than REPLAY_ROWS (a prefill) is sealed, its rows never captured
+    target.forward(np.arange(REPLAY_ROWS + 1) % V, cache)
+    assert cache.floor == cache.length == 4 + REPLAY_ROWS + 1 and not any(cache.captured)
+    with pytest.raises(ValueError, match="is gone"):
+        cache.commit(cache.length - 1)
 
 
 @pytest.mark.parametrize("kind", ["dflash2", "dflash"])

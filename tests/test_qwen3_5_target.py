@@ -106,7 +106,7 @@ def test_bf16_mode_matches_hf_bfloat16(models, seq, case):
     assert mean < f32_mean  # the rounding points are modelled, not just tolerated
 
 
-@pytest.mark.parametrize("case", ["text-untied-f32", "multimodal-untied-bf16"])
+@pytest.mark.parametrize("case", CASES)
 def test_greedy_64_identical_to_hf(models, seq, case):
     d = models[case]
     target = Qwen3_5Model.load(d, dtype="f32")

@@ -19,7 +19,9 @@ FLOOR position and every recurrence input since, and replay the accepted rows on
 The decode loop commits after every verify forward, so only one block is ever captured. Several
 forwards without a commit (a drafter that runs the target row by row, then commits back to its
 anchor) stay replayable as long as they hold at most REPLAY_ROWS rows; a forward that would go
-past that first seals the rows before it (commits them: they can no longer be rolled back).
+past that first seals the rows before it (commits them: they can no longer be rolled back). A
+forward of more than REPLAY_ROWS rows (a prefill) captures nothing and is sealed at its end:
+capturing a long prompt would cost ~3.8 MiB per row at the 27B shape.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class HybridCache:
         if self._from_pre:  # the committed state becomes the floor state: swap, no copy
             self.pre, self.state = self.state, self.pre
         self._rows = n
+        self._capture = n <= REPLAY_ROWS  # a longer block (a prefill) is sealed, not captured
 
     def conv_window(self, layer: int, raw: np.ndarray) -> np.ndarray:
         """[K-1, C] cached rows ++ raw [n, C] -> window [K-1+n, C]; the conv state moves to its
@@ -84,13 +87,16 @@ class HybridCache:
         """The gated delta rule over the block (from `pre` if it is the first block since the
         floor, else in place), its inputs captured for a replay."""
         j = self.gdn_slot[layer]
-        self.captured[j].append((raw, q, k, v, g, beta))
+        if self._capture:
+            self.captured[j].append((raw, q, k, v, g, beta))
         source = self.pre[j] if self._from_pre else self.state[j]
         return self.ops.gated_delta(q, k, v, g, beta, source, self.state[j])  # [n, Hv, dv]
 
     def end_block(self) -> None:
         self.length += self._rows
         self.kv.length = self.length
+        if not self._capture:
+            self._seal()
 
     def _seal(self) -> None:
         """Accept everything held: the current state becomes the floor."""
