@@ -30,7 +30,9 @@ import numpy as np
 
 from .target import KVCache
 
-REPLAY_ROWS = 32  # most rows kept replayable (per GDN layer ~ (2 Hk dk + Hv dv + 2 Hv + C) f32 each)
+# most rows kept replayable (>= any verify block Q); each costs (2 Hk dk + Hv dv + 2 Hv + C) f32
+# per GDN layer
+REPLAY_ROWS = 64
 
 
 class HybridCache:
