@@ -11,8 +11,12 @@ Checks, each a row of the summary table:
              non-causal), sliding window, bf16 probabilities: |gpu - cpu| <= 1e-5*max|cpu| + 1e-6
              (bf16 probabilities: >= 90% of (query, head) rows within that, all within 1 bf16 ulp).
   linear     bf16 GEMV (M = a 16-row block) vs the CPU kernel, relative to sum|x||w|.
+  gdn        Gated DeltaNet kernels at the Qwen3.8-27B shape (C = 10240 conv channels, K = 4;
+             Hk 16 / Hv 48 heads of 128, a 16-row block, device-resident state): short conv f32 / bf16
+             and the delta rule vs the CPU kernels, |gpu - cpu| <= 1e-5 * max|cpu| (+ 1 bf16 ulp).
   decode     greedy speculative decode of a tiny target + DFlash2 draft, device cuda vs cpu: the
-             same token ids.
+             same token ids; the same for a tiny Qwen3.5 hybrid target (recurrent-state rollback
+             on the device).
 Throughput (GB/s) for conv / attention / linear: unique bytes read + written per call over the
 best-of-k device time (arrays already resident; launches synchronised).
 Exit status 0 when every row passes, 1 on any mismatch, 2 when no CUDA device is available.
@@ -40,12 +44,14 @@ FULL = dict(conv_shapes=[(5120, 8), (6656, 16)], conv_taps=(2, 3), group_size=16
             attention=dict(nh=32, nkv=8, hd=128, nq=16, ctx=2032), linear=(16, 4096, 5120),
             tiny=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=64, tokenizer_vocab_size=1000),
-            draft_block=8, draft_layers=2, new_tokens=48, repeat=10)
+            draft_block=8, draft_layers=2, new_tokens=48, repeat=10,
+            gdn=dict(C=10240, K=4, n=16, Hk=16, Hv=48, dk=128, dv=128))
 SMALL = dict(conv_shapes=[(16, 8), (16, 16)], conv_taps=(2, 3), group_size=4, rows=None,
              attention=dict(nh=4, nkv=2, hd=16, nq=4, ctx=12), linear=(3, 24, 32),
              tiny=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=16, tokenizer_vocab_size=300),
-             draft_block=4, draft_layers=1, new_tokens=3, repeat=0)
+             draft_block=4, draft_layers=1, new_tokens=3, repeat=0,
+             gdn=dict(C=24, K=4, n=3, Hk=1, Hv=2, dk=4, dv=4))
 
 
 def device_time(fn, repeat: int) -> float:
@@ -163,6 +169,67 @@ def check_linear(cfg, rng, rows):
                  (w.nbytes + x.nbytes + 4 * M * N) / t / 1e9))
 
 
+def check_gdn(cfg, rng, rows):
+    from dflash2_numba.kernels import gdn
+    from dflash2_numba.kernels.cuda_gdn import gated_delta_cuda, short_conv_cuda
+    from dflash2_numba.numerics import round_bf16_array
+
+    g = cfg["gdn"]
+    C, K, n = g["C"], g["K"], g["n"]
+    window = round_bf16_array(rng.standard_normal((K - 1 + n, C)).astype(np.float32))  # [K-1+n, C]
+    w = round_bf16_array(0.5 * rng.standard_normal((C, K)).astype(np.float32))  # [C, K]
+    for bf16 in (False, True):
+        want = gdn.short_conv(window, w, bf16)
+        res = {}
+        t = device_time(lambda: res.__setitem__("y", short_conv_cuda(window, w, bf16)), cfg["repeat"])
+        err = float(np.abs(res["y"] - want).max())
+        tol = (2.0**-7 if bf16 else 1e-5) * float(np.abs(want).max())  # bf16: one ulp of a rounding flip
+        rows.append(("gdn", f"short conv C={C} K={K} n={n} {'bf16' if bf16 else 'f32'}", err <= tol,
+                     f"max err {err:.2e} (tol {tol:.1e})", (window.nbytes + w.nbytes + want.nbytes) / t / 1e9))
+    Hk, Hv, dk, dv = g["Hk"], g["Hv"], g["dk"], g["dv"]
+    q, k = (rng.standard_normal((n, Hk, dk)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((n, Hv, dv)).astype(np.float32)
+    gate = -rng.uniform(0.01, 1.0, (n, Hv)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (n, Hv)).astype(np.float32)
+    s0 = rng.standard_normal((Hv, dk, dv)).astype(np.float32)
+    s_cpu = np.empty_like(s0)
+    o_cpu = gdn.gated_delta_rule(q, k, v, gate, beta, s0, s_cpu)
+    d_in, d_out = cuda.to_device(s0), cuda.device_array(s0.shape, np.float32)  # resident states
+    res = {}
+    t = device_time(lambda: res.__setitem__("o", gated_delta_cuda(q, k, v, gate, beta, d_in, d_out)), cfg["repeat"])
+    err = max(float(np.abs(res["o"] - o_cpu).max() / np.abs(o_cpu).max()),
+              float(np.abs(d_out.copy_to_host() - s_cpu).max() / np.abs(s_cpu).max()))
+    rows.append(("gdn", f"delta rule n={n} Hk={Hk} Hv={Hv} dk={dk} dv={dv}", err <= 1e-5,
+                 f"max err / max|cpu| = {err:.1e} (output and state)", 2 * s0.nbytes / t / 1e9))
+
+
+def check_hybrid_decode(cfg, rows):
+    import dflash2_numba as dn
+    from dflash2_numba import tiny
+    from dflash2_numba.tiny_hybrid import write_qwen3_5_target
+
+    c = cfg["tiny"]
+    with tempfile.TemporaryDirectory() as tmp:
+        t = write_qwen3_5_target(Path(tmp) / "target", hidden_size=c["hidden_size"],
+                                 intermediate_size=c["intermediate_size"], num_hidden_layers=2 * c["num_hidden_layers"],
+                                 num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+                                 head_dim=c["head_dim"], linear_num_key_heads=1, linear_num_value_heads=2,
+                                 linear_key_head_dim=c["head_dim"] // 2, linear_value_head_dim=c["head_dim"] // 2,
+                                 full_attention_interval=2, tokenizer_vocab_size=c["tokenizer_vocab_size"],
+                                 seed=1, init_std=0.5)
+        d = tiny.write_draft(Path(tmp) / "draft", t, kind="dflash2", num_hidden_layers=cfg["draft_layers"],
+                             block_size=cfg["draft_block"], conv_kernel_size=3, seed=2, init_std=0.5,
+                             conv_group_size=16, target_layer_ids=[0])
+        out = {}
+        for device in ("cpu", "cuda"):
+            target = dn.load_target(t, device=device)
+            draft = dn.load_draft(d, target) if device == "cuda" else None  # cpu: the target's own greedy
+            out[device] = dn.generate(target, draft, prompt_ids=[5, 6, 7, 8], max_new_tokens=cfg["new_tokens"]).output_ids
+        ok = out["cuda"] == out["cpu"] and len(out["cpu"]) == cfg["new_tokens"]
+        rows.append(("decode", f"tiny Qwen3.5 hybrid + DFlash2 H={c['hidden_size']} greedy", ok,
+                     f"{len(out['cuda'])} tokens, cuda speculative == cpu target-only: {ok}", None))
+
+
 def check_decode(cfg, rows):
     import dflash2_numba as dn
     from dflash2_numba import tiny
@@ -212,10 +279,11 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows: list[tuple] = []
     t0 = time.perf_counter()
-    for check in (check_conv, check_attention, check_linear):
+    for check in (check_conv, check_attention, check_linear, check_gdn):
         check(cfg, rng, rows)
         print(f"  {check.__name__} done ({time.perf_counter() - t0:.0f}s)", flush=True)
     check_decode(cfg, rows)
+    check_hybrid_decode(cfg, rows)
 
     w_kind, w_shape = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     header = f"{'check':<{w_kind}}  {'shape':<{w_shape}}  result  {'GB/s':>7}  detail"

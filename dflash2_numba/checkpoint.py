@@ -137,8 +137,11 @@ class Checkpoint:
         """Inventory check: every expected tensor present with its shape, nothing unknown.
 
         `expected` maps name -> shape; names in `optional` may be absent. An `ExpectedTensors`
-        (config.py) also carries its own tolerated names and per-tensor shape notes."""
+        (config.py) also carries its own tolerated names and per-tensor shape notes; one with
+        `ignored_prefixes` (prefix -> why) tolerates every name under those prefixes, unread."""
         optional = set(optional) | getattr(expected, "optional", set())
+        if hasattr(expected, "ignored"):  # ExpectedTensors: names under its ignored prefixes
+            optional |= set(expected.ignored(self.tensors))
         notes = getattr(expected, "notes", {})
         missing = sorted(n for n in expected if n not in self.tensors and n not in optional)
         if missing:

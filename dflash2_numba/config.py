@@ -63,6 +63,15 @@ def read_config_json(model_dir: str | Path) -> tuple[Path, dict]:
     return path, raw
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (inspect reports and family facts)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def _require(raw: dict, key: str, source: str):
     if key not in raw or raw[key] is None:
         raise ConfigError(f"{source}: required key '{key}' is missing")
@@ -396,12 +405,19 @@ class ExpectedTensors(dict):
 
     `optional`: names tolerated in the file but not required (a redundant `lm_head.weight`
     next to tied embeddings; selector tensors when the caller did not ask for them).
-    `notes`: name -> why the shape is what it is, appended to a TensorShapeError."""
+    `notes`: name -> why the shape is what it is, appended to a TensorShapeError.
+    `ignored_prefixes`: prefix -> why; every tensor under such a prefix is tolerated and never
+    read (a vision tower, a built-in MTP head), and `inspect` lists it as ignored BY NAME."""
 
-    def __init__(self, shapes=(), optional=(), notes=None):
+    def __init__(self, shapes=(), optional=(), notes=None, ignored_prefixes=None):
         super().__init__(shapes)
         self.optional = set(optional)
         self.notes = dict(notes or {})
+        self.ignored_prefixes = dict(ignored_prefixes or {})
+
+    def ignored(self, names) -> dict[str, str]:
+        """name -> why, for the given tensor names that fall under an ignored prefix."""
+        return {n: why for n in names for p, why in self.ignored_prefixes.items() if n.startswith(p)}
 
 
 def expected_target_tensors(cfg: TargetConfig) -> ExpectedTensors:

@@ -197,13 +197,8 @@ def expected_muse_tensors(c: MuseGlimmerConfig) -> ExpectedTensors:
     notes = {p0 + "embed_tokens.weight": f"[vocab_size, hidden_size] from {c.source}",
              **{p0 + f"layers.{i}.self_attn.q_proj.weight": f"[num_attention_heads * head_dim, hidden_size] "
                 f"= [{c.num_attention_heads} * {hd}, {H}]" for i in range(c.num_hidden_layers)}}
-    return ExpectedTensors(shapes, optional, notes)
-
-
-def ignored_muse_tensors(c: MuseGlimmerConfig, names) -> list[str]:
-    """The vision tower's tensors (model.vision_tower.*, model.vision_adapter.*,
-    model.vision_projection.*): present in the released checkpoint, never read here."""
-    return sorted(n for n in names if n.startswith(VISION_PREFIXES))
+    return ExpectedTensors(shapes, optional, notes, ignored_prefixes=dict.fromkeys(
+        VISION_PREFIXES, "vision tower (text-only decoder: no image or video inputs)"))
 
 
 def refuse_legacy_export(c: MuseGlimmerConfig, names, where: str) -> None:

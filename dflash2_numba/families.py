@@ -19,8 +19,10 @@ from typing import Callable
 
 from .config import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
 from .config_muse import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, expected_muse_tensors,
-                          ignored_muse_tensors, resolve_muse_config)
+                          resolve_muse_config)
 from .errors import UnknownArchitectureError
+from .models.qwen3_5_config import (ARCHITECTURES as QWEN3_5_ARCHITECTURES, describe_qwen3_5,
+                                    expected_qwen3_5_tensors, is_qwen3_5, resolve_qwen3_5_config)
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,6 @@ class TargetFamily:
     expected_tensors: Callable[[object], object]  # config -> ExpectedTensors
     model: str  # "module:Class", relative to the package, imported on first use
     describe: Callable[[object], dict] | None = None  # config -> extra inspect facts
-    ignored: Callable[[object, list], list] | None = None  # (config, tensor names) -> names ignored BY NAME
 
     def model_class(self):
         module, cls = self.model.split(":")
@@ -58,7 +59,14 @@ FAMILIES: list[TargetFamily] = [
         expected_tensors=expected_muse_tensors,
         model=".models.muse_glimmer:MuseGlimmerTarget",
         describe=describe_muse,
-        ignored=ignored_muse_tensors,
+    ),
+    TargetFamily(  # hybrid Gated DeltaNet + gated attention (Qwen3.5 / Qwen3.8 dense)
+        name="qwen3_5",
+        matches=is_qwen3_5,  # also claims Qwen3.5-MoE / Qwen3-Next, to refuse them by name
+        resolve=lambda raw, source: resolve_qwen3_5_config(raw, source),
+        expected_tensors=expected_qwen3_5_tensors,
+        model=".models.qwen3_5:Qwen3_5Model",
+        describe=describe_qwen3_5,
     ),
 ]
 
@@ -67,7 +75,7 @@ def target_family(raw: dict, source: str = "config.json") -> TargetFamily:
     for family in FAMILIES:
         if family.matches(raw):
             return family
-    supported = sorted({*TARGET_ARCHITECTURES, *MUSE_ARCHITECTURES})
+    supported = sorted({*TARGET_ARCHITECTURES, *MUSE_ARCHITECTURES, *QWEN3_5_ARCHITECTURES.values()})
     raise UnknownArchitectureError(
         f"{source}: architectures[0] = {_arch(raw)!r}, model_type = {raw.get('model_type')!r}; "
         f"supported targets: {', '.join(supported)}")

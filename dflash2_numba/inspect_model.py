@@ -17,6 +17,7 @@ from .checkpoint import DTYPES, INDEX_NAME, open_checkpoint
 from .config import (
     DRAFT_ARCHITECTURES,
     expected_draft_tensors,
+    human_bytes,
     read_config_json,
     resolve_draft_config,
 )
@@ -73,8 +74,7 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
     else:
         vocab = cfg.vocab_size  # the draft's own claim; the loader uses the target's
         expected = expected_draft_tensors(cfg, vocab or 0, include_selector=vocab is not None)
-    ignored = family.ignored(cfg, ckpt.names()) if kind == "target" and family.ignored else []
-    expected.optional |= set(ignored)  # present, deliberately not read (e.g. a vision tower)
+    ignored = expected.ignored(ckpt.names())  # name -> why: present, deliberately not read
     try:
         ckpt.require(expected)
         inventory_error = None
@@ -99,17 +99,9 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         "num_bytes": n_bytes,
         "dtypes": sorted({t["dtype"] for t in tensors}),
         "inventory_error": inventory_error,
-        "ignored_tensors": ignored,
+        "ignored_tensors": ignored,  # name -> why it is not loaded
         "sha256": files,
     }
-
-
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_inspect(report: dict) -> str:
@@ -117,20 +109,25 @@ def format_inspect(report: dict) -> str:
     lines = [
         f"{report['path']}: {report['kind']} ({report['architecture']})",
         f"  parameters: {report['num_parameters']:,} in {report['num_tensors']} tensors, "
-        f"{_human_bytes(report['num_bytes'])} ({', '.join(report['dtypes']) or 'no tensors'})",
+        f"{human_bytes(report['num_bytes'])} ({', '.join(report['dtypes']) or 'no tensors'})",
         f"  inventory:  {'ok' if report['inventory_error'] is None else report['inventory_error']}",
     ]
-    lines += [f"  {line}" for line in report.get("summary_lines", [])]  # family facts
-    if report.get("ignored_tensors"):
-        names = report["ignored_tensors"]
-        lines.append(f"  ignored:    {len(names)} tensors not read (by name): {', '.join(names)}")
+    lines += [f"  {line}" for line in report.get("summary_lines", [])]  # family facts (schedule, state)
+    ignored = report.get("ignored_tensors") or {}
+    if ignored:
+        reasons = {}
+        for name, why in ignored.items():
+            reasons.setdefault(why, []).append(name)
+        lines.append(f"  ignored:    {len(ignored)} tensors, not loaded (by name)")
+        lines += [f"    {len(names)} x {names[0]} ... : {why}" for why, names in reasons.items()]
     lines.append("config:")
     width = max((len(k) for k in report["config"]), default=0)
     lines += [f"  {k.ljust(width)}  {v}" for k, v in report["config"].items()]
     lines.append("tensors:")
     width = max((len(t["name"]) for t in report["tensors"]), default=0)
     for t in report["tensors"]:
-        lines.append(f"  {t['name'].ljust(width)}  {t['dtype']:<4} {str(t['shape']):<18} {t['file']}")
+        mark = "  (ignored)" if t["name"] in ignored else ""
+        lines.append(f"  {t['name'].ljust(width)}  {t['dtype']:<4} {str(t['shape']):<18} {t['file']}{mark}")
     if report["sha256"]:
         lines.append("sha256:")
         lines += [f"  {digest}  {name}" for name, digest in report["sha256"].items()]

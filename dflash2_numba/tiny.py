@@ -296,7 +296,13 @@ def write_target(path, *, architecture: str = "qwen3", hidden_size: int = 64,
         "bos_token_id": bos_id, "eos_token_id": [ids[ENDOFTEXT], ids[IM_END]],
         "pad_token_id": ids[ENDOFTEXT], "do_sample": False})
 
-    # ---- tokenizer files
+    write_tokenizer_files(model_dir, tok, architecture, max_position_embeddings, chat_template)
+    return model_dir
+
+
+def write_tokenizer_files(model_dir: Path, tok: Tokenizer, architecture: str, max_position_embeddings: int,
+                          chat_template: bool = True) -> None:
+    """tokenizer.json + tokenizer_config.json (Llama: BOS prepended; ChatML template)."""
     (model_dir / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
@@ -309,7 +315,6 @@ def write_target(path, *, architecture: str = "qwen3", hidden_size: int = 64,
         prefix = "{{- bos_token }}\n" if architecture == "llama" else ""
         tok_config["chat_template"] = prefix + CHAT_TEMPLATE
     _write_json(model_dir / "tokenizer_config.json", tok_config)
-    return model_dir
 
 
 # ---------------------------------------------------------------- draft
@@ -359,7 +364,7 @@ def write_draft(path, target_dir, *, kind: str = "dflash2", num_hidden_layers: i
         raise ValueError(f"kind must be 'dflash' or 'dflash2', got {kind!r}")
     target_dir = Path(target_dir)
     tcfg = json.loads((target_dir / "config.json").read_text())
-    tcfg = {**tcfg, **(tcfg.get("text_config") or {})}  # composite targets (Muse-Glimmer) nest the text keys
+    tcfg = {**tcfg, **(tcfg.get("text_config") or {})}  # composite targets (Muse-Glimmer, Qwen3.5) nest the text keys
     H, V, L_target = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["num_hidden_layers"]
     nh = num_attention_heads or tcfg["num_attention_heads"]
     nkv = num_key_value_heads or tcfg.get("num_key_value_heads", nh)

@@ -29,7 +29,7 @@ try:
 except Exception as e:  # no libnvvm: nothing can be compiled on this machine
     print(json.dumps({"__nvvm_missing__": repr(e)})); sys.exit(0)
 
-from dflash2_numba.kernels import conv, cuda_attention, cuda_conv, cuda_linear
+from dflash2_numba.kernels import conv, cuda_attention, cuda_conv, cuda_gdn, cuda_linear
 
 f32, u16, i64, b1 = types.float32, types.uint16, types.int64, types.boolean
 def arr(t, nd, layout="C"):
@@ -54,6 +54,10 @@ kernels = {
     "attention_strided_kv": (cuda_attention.kernel_for(), att_sig("A")),
     "linear_bf16": (cuda_linear.kernel_for("uint16"), (arr(f32, 2), arr(u16, 2), arr(f32, 2))),
     "linear_f32": (cuda_linear.kernel_for("float32"), (arr(f32, 2), arr(f32, 2), arr(f32, 2))),
+    # Gated DeltaNet: short conv (window, w, bf16, out); delta rule (q, k, v, g, beta, s_in, s_out, o)
+    "gdn_short_conv": (cuda_gdn._short_conv_kernel, (arr(f32, 2), arr(f32, 2), b1, arr(f32, 2))),
+    "gdn_delta_rule": (cuda_gdn._delta_kernel, (arr(f32, 3), arr(f32, 3), arr(f32, 3), arr(f32, 2), arr(f32, 2),
+                                                arr(f32, 3), arr(f32, 3), arr(f32, 3))),
 }
 out = {}
 for name, (kernel, sig) in kernels.items():
@@ -92,7 +96,7 @@ def _instructions(ptx_text: str) -> list[str]:
 
 
 KERNELS = ["conv_f32", "conv_bf16", "conv_f32_plain_helpers", "attention_contiguous_kv",
-           "attention_strided_kv", "linear_bf16", "linear_f32"]
+           "attention_strided_kv", "linear_bf16", "linear_f32", "gdn_short_conv", "gdn_delta_rule"]
 
 
 @pytest.mark.parametrize("name", KERNELS)

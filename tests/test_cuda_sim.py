@@ -256,7 +256,7 @@ def test_linear_matches_reference(wdtype):
 def test_get_ops_cuda_has_the_cpu_methods():
     cpu, gpu = get_ops("cpu"), get_ops("cuda")
     assert gpu.device == "cuda"
-    for name in ("linear", "attention", "grouped_conv", "prepare_weight"):
+    for name in ("linear", "attention", "grouped_conv", "prepare_weight", "short_conv", "gated_delta"):
         assert callable(getattr(gpu, name)) and callable(getattr(cpu, name))
 
 
@@ -369,6 +369,6 @@ def test_gpu_check_small_runs_on_the_simulator(capsys):
     spec.loader.exec_module(gpu_check)
     assert gpu_check.main(["--small"]) == 0
     out = capsys.readouterr().out
-    for kind in ("conv", "attention", "linear", "decode"):
+    for kind in ("conv", "attention", "linear", "gdn", "decode"):
         assert any(line.startswith(kind) and " PASS " in line for line in out.splitlines()), kind
-    assert "FAIL" not in out and "14/14 passed" in out
+    assert "FAIL" not in out and "18/18 passed" in out

@@ -16,6 +16,8 @@ Contracts (all float32 activations):
     rms_norm(x [..., D], w [D], eps, bf16) -> [..., D]       (kernels/rowwise.py; models/layers.py)
     apply_rope(x [n, heads, hd], cos [n, hd], sin [n, hd], bf16) -> [n, heads, hd]   (the same)
     prepare_weight(w) -> the array to hand to linear (identity, or an f32 copy)
+    short_conv(window [K-1+n, C], w [C, K], bf16) -> [n, C]                (kernels/gdn.py)
+    gated_delta(q, k, v, g, beta, state_in, state_out) -> o [n, Hv, dv]    (kernels/gdn.py)
 """
 
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ import numpy as np
 from ..errors import DeviceUnavailableError
 from ..numerics import as_f32
 from ..models import layers
-from . import rowwise
+from . import gdn, rowwise
 from .attention import attention, attention_reference
 from .linear import linear, linear_reference
 
@@ -42,6 +44,8 @@ class Ops:
     prepare_weight: Callable[[np.ndarray], np.ndarray]
     rms_norm: Callable = layers.rms_norm  # numpy reference unless a device brings a kernel
     apply_rope: Callable = layers.apply_rope
+    short_conv: Callable = gdn.short_conv  # Gated DeltaNet targets (models/qwen3_5.py)
+    gated_delta: Callable = gdn.gated_delta_rule
 
 
 def _keep(w: np.ndarray) -> np.ndarray:
@@ -61,7 +65,8 @@ def get_ops(device: str = "cpu") -> Ops:
         return Ops("cpu", linear, attention, conv, _keep, rowwise.rms_norm, rowwise.apply_rope)
     if device == "numpy":
         _, conv = _conv_kernels()
-        return Ops("numpy", linear_reference, attention_reference, conv, as_f32)
+        return Ops("numpy", linear_reference, attention_reference, conv, as_f32,
+                   short_conv=gdn.short_conv_reference, gated_delta=gdn.gated_delta_rule_reference)
     if device == "cuda":  # @cuda.jit kernels (kernels/cuda_ops.py); DeviceUnavailableError without a GPU
         from .cuda_ops import CudaOps
 

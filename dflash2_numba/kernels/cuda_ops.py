@@ -9,7 +9,11 @@ Same methods and contracts as the CPU Ops, so the model code is not forked per d
                                                        to the CPU kernel, f32 and bf16)
     prepare_weight(w) -> w                             uploads w ONCE; later `linear(x, w)` calls
                                                        with that same host array use the device copy
-    zeros(shape, dtype=float32) -> DeviceBuffer        device-resident buffer (KV / context caches)
+    short_conv(window, w, bf16) -> [n, C] f32          cuda_gdn.py (Gated DeltaNet short conv)
+    gated_delta(q, k, v, g, beta, state_in, state_out) cuda_gdn.py (delta rule; device states stay
+                                                       on the device)
+    zeros(shape, dtype=float32) -> DeviceBuffer        device-resident buffer (KV / context caches,
+                                                       recurrent states)
     rms_norm, apply_rope                               the CPU's numba kernels (rowwise.py): they
                                                        act on the host activations
 
@@ -34,6 +38,7 @@ from . import rowwise
 from .cuda_attention import attention_cuda
 from .cuda_common import SIMULATOR, is_device_array, to_device
 from .cuda_conv import grouped_conv_cuda
+from .cuda_gdn import gated_delta_cuda, short_conv_cuda
 from .cuda_linear import linear_cuda
 
 
@@ -120,6 +125,9 @@ class CudaOps:
 
     def grouped_conv(self, x, delta, base, group_size, block_len):
         return grouped_conv_cuda(x, delta, base, group_size, block_len)
+
+    short_conv = staticmethod(short_conv_cuda)
+    gated_delta = staticmethod(gated_delta_cuda)
 
     # ------------------------------------------------------------------ buffers
     def zeros(self, shape, dtype=np.float32) -> DeviceBuffer:

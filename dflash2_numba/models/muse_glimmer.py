@@ -34,7 +34,7 @@ import numpy as np
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..config import read_config_json
 from ..config_muse import (LAYER_NORMS, SLIDING, MuseGlimmerConfig, check_muse_pairing, expected_muse_tensors,
-                           ignored_muse_tensors, refuse_legacy_export, resolve_muse_config)
+                           refuse_legacy_export, resolve_muse_config)
 from ..errors import GenerationArgumentError
 from ..kernels.backend import Ops, get_ops
 from ..numerics import DTYPE_MODES, as_f32
@@ -72,9 +72,8 @@ class MuseGlimmerTarget(TargetModel):
         c, get, w, p0 = config, checkpoint.get, ops.prepare_weight, config.weight_prefix
         names = checkpoint.names()
         refuse_legacy_export(c, names, str(checkpoint.directory))
-        self.ignored_tensors = ignored_muse_tensors(c, names)
-        expected = expected_muse_tensors(c)
-        expected.optional |= set(self.ignored_tensors)  # ignored BY NAME, never read
+        expected = expected_muse_tensors(c)  # the vision tower is ignored BY NAME, never read
+        self.ignored_tensors = sorted(expected.ignored(names))
         checkpoint.require(expected)
 
         self.embed_table = get(p0 + "embed_tokens.weight")  # [V, H] stays uint16: rows on demand
