@@ -27,7 +27,6 @@ layer needs). bf16 run mode: every Muse norm multiplies its weight in f32 and ro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -39,7 +38,7 @@ from ..errors import GenerationArgumentError
 from ..kernels.backend import Ops, get_ops
 from ..numerics import DTYPE_MODES, as_f32
 from .layers import RopeTables, embedding, mlp, rnd_if
-from .target import KVCache, TargetModel
+from .target import TargetModel
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -128,37 +127,8 @@ class MuseGlimmerTarget(TargetModel):
         """Called by the draft loader after config.check_pairing (config_muse.check_muse_pairing)."""
         check_muse_pairing(draft_config, self.config)
 
-    # ------------------------------------------------------------------ forward
-    def forward(self, ids: np.ndarray, cache: KVCache, tap_layers: Sequence[int] = (),
-                last_only: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-        """As TargetModel.forward: ids [n] at positions cache.length.. -> (logits [n, V] (or
-        [1, V] with last_only), taps [n, len(tap_layers)*H] = residual after each tap layer)."""
-        c = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
-        n, H = ids.shape[0], c.hidden_size
-        if n == 0:
-            raise GenerationArgumentError("MuseGlimmerTarget.forward: no token ids given")
-        for l in tap_layers:
-            if not 0 <= l < c.num_hidden_layers:
-                raise GenerationArgumentError(f"tap layer {l} outside 0..{c.num_hidden_layers - 1}")
-        start = cache.length
-        cache.reserve(n)
-        q_pos = np.arange(start, start + n, dtype=np.int64)  # [n]
-        k_pos = np.arange(start + n, dtype=np.int64)  # [T] keys: cache ++ this block
-        cos, sin = self.rope.span(start, n)  # [n, hd] each
-
-        h = self.embed_input(ids)  # [n, H]
-        taps = np.empty((n, len(tap_layers) * H), dtype=np.float32) if len(tap_layers) else None
-        for i, layer in enumerate(self.layers):
-            h = self._layer(i, layer, h, cache, start, q_pos, k_pos, cos, sin)
-            for j, l in enumerate(tap_layers):
-                if l == i:  # residual stream AFTER layer i = HF hidden_states[i+1]
-                    taps[:, j * H:(j + 1) * H] = h
-        cache.length = start + n
-        if last_only:
-            h = h[-1:]
-        return self.logits(self.final_norm(h)), taps
-
+    # ------------------------------------------------------------------ forward (TargetModel's, through
+    # embed_input / logits above; only the layer differs)
     def _layer(self, i, layer, h, cache, start, q_pos, k_pos, cos, sin):
         """One sandwich-norm decoder layer on h [n, H]; writes K/V i of the cache."""
         c, bf16, ops, linear = self.config, self.bf16, self.ops, self.ops.linear

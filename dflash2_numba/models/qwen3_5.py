@@ -27,6 +27,7 @@ from ..numerics import DTYPE_MODES, as_f32, round_bf16_array
 from .hybrid_cache import HybridCache
 from .layers import RopeTables, embedding, mlp, rnd_if, silu
 from .qwen3_5_config import Qwen3_5Config, expected_qwen3_5_tensors, resolve_qwen3_5_config
+from .target import forward_ids
 
 
 def zero_centred_rms_norm(ops, x, w_plus_one, eps, bf16):
@@ -118,13 +119,8 @@ class Qwen3_5Model:
         """ids [n] at positions cache.length.. -> (logits [n, V] ([1, V] with last_only),
         taps [n, len(tap_layers)*H] or None). Advances every layer's state by the n rows."""
         c = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
+        ids = forward_ids(ids, tap_layers, c.num_hidden_layers, type(self).__name__)  # [n]
         n, H = ids.shape[0], c.hidden_size
-        if n == 0:
-            raise GenerationArgumentError("Qwen3_5Model.forward: no token ids given")
-        for l in tap_layers:
-            if not 0 <= l < c.num_hidden_layers:
-                raise GenerationArgumentError(f"tap layer {l} outside 0..{c.num_hidden_layers - 1}")
         start = cache.length
         cache.begin_block(n)
         h = self.embed(ids)  # [n, H]

@@ -136,6 +136,15 @@ class TargetModel:
         """ALREADY-NORMED states [n, H] -> logits [n, V] f32 (all vocab_size columns)."""
         return rnd_if(self.ops.linear(h, self.lm_head_w), self.bf16)
 
+    # the two steps a family may change without touching what drafts see (embed / lm_head)
+    def embed_input(self, ids: np.ndarray) -> np.ndarray:
+        """The target's own input embedding, ids [n] -> [n, H] (Qwen3 / Llama: the raw rows)."""
+        return self.embed(ids)
+
+    def logits(self, h_normed: np.ndarray) -> np.ndarray:
+        """Final-normed states [n, H] -> the target's own logits [n, V] (Qwen3 / Llama: lm_head)."""
+        return self.lm_head(h_normed)
+
     def mask_padded(self, logits: np.ndarray) -> np.ndarray:
         """Set columns >= valid_vocab to -inf, in place; returns logits [n, V]."""
         if self.valid_vocab < logits.shape[-1]:
@@ -154,20 +163,15 @@ class TargetModel:
         last_only: only the last row goes through the head), taps [n, len(tap_layers)*H] f32
         or None). Appends K/V of the n positions to the cache."""
         c = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
+        ids = forward_ids(ids, tap_layers, c.num_hidden_layers, type(self).__name__)  # [n]
         n, H = ids.shape[0], c.hidden_size
-        if n == 0:
-            raise GenerationArgumentError("TargetModel.forward: no token ids given")
-        for l in tap_layers:
-            if not 0 <= l < c.num_hidden_layers:
-                raise GenerationArgumentError(f"tap layer {l} outside 0..{c.num_hidden_layers - 1}")
         start = cache.length
         cache.reserve(n)
         q_pos = np.arange(start, start + n, dtype=np.int64)  # [n]
         k_pos = np.arange(start + n, dtype=np.int64)  # [T] keys: cache ++ this block
         cos, sin = self.rope.span(start, n)  # [n, hd] each
 
-        h = self.embed(ids)  # [n, H]
+        h = self.embed_input(ids)  # [n, H]
         taps = np.empty((n, len(tap_layers) * H), dtype=np.float32) if len(tap_layers) else None
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, cache, start, q_pos, k_pos, cos, sin)
@@ -177,7 +181,7 @@ class TargetModel:
         cache.length = start + n
         if last_only:
             h = h[-1:]
-        return self.lm_head(self.final_norm(h)), taps
+        return self.logits(self.final_norm(h)), taps
 
     def _layer(self, i, layer, h, cache, start, q_pos, k_pos, cos, sin):
         """One decoder layer on h [n, H] at positions q_pos; writes K/V i of the cache."""
@@ -204,6 +208,17 @@ class TargetModel:
 
         m = ops.rms_norm(h, layer["ln2"], eps, bf16)  # [n, H]
         return rnd_if(h + mlp(m, layer["gate"], layer["up"], layer["down"], linear, bf16), bf16)
+
+
+def forward_ids(ids, tap_layers: Sequence[int], num_layers: int, who: str) -> np.ndarray:
+    """The checks every target's forward makes: ids -> int64 [n] (n >= 1), tap layers in range."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
+    if ids.shape[0] == 0:
+        raise GenerationArgumentError(f"{who}.forward: no token ids given")
+    for l in tap_layers:
+        if not 0 <= l < num_layers:
+            raise GenerationArgumentError(f"tap layer {l} outside 0..{num_layers - 1}")
+    return ids
 
 
 def expected_tensors(c: TargetConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
