@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import DRAFT_ARCHITECTURES, read_config_json
+from .config_checks import architecture_of
 from .errors import DeviceUnavailableError, GenerationArgumentError, UnknownArchitectureError
 
 DEVICES = ("cpu", "cuda")
@@ -52,7 +53,7 @@ def _require_cuda() -> None:
 def draft_kind(draft_dir) -> str:
     """"dflash" | "dflash2" from config.json architectures[0] (typed error otherwise)."""
     path, raw = read_config_json(draft_dir)
-    arch = (raw.get("architectures") or [None])[0]
+    arch = architecture_of(raw, str(path))
     if arch not in DRAFT_ARCHITECTURES:
         raise UnknownArchitectureError(
             f"{path}: architectures[0] = {arch!r}; supported drafts: {', '.join(DRAFT_ARCHITECTURES)}")

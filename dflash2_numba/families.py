@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
+from .config_checks import architecture_of
 from .errors import UnknownArchitectureError
 
 
@@ -52,6 +53,7 @@ FAMILIES: list[TargetFamily] = [
 
 
 def target_family(raw: dict, source: str = "config.json") -> TargetFamily:
+    architecture_of(raw, source)  # ConfigValueError for an `architectures` that is not a list of strings
     for family in FAMILIES:
         if family.matches(raw):
             return family

@@ -35,6 +35,8 @@ def _read_json(path: Path) -> dict | None:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError as e:
+        raise ConfigError(f"{path}: JSON nested too deeply to parse (corrupt)") from e
     if not isinstance(obj, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
