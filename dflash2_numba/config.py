@@ -176,9 +176,11 @@ def _layer_types(raw: dict, n_layers: int, source: str) -> list[str] | None:
     types = raw.get("layer_types")
     if types is None:
         return None
-    if not isinstance(types, list) or len(types) != n_layers:
-        raise ConfigValueError(f"{source}: layer_types = {types!r}, expected a list of "
-                               f"num_hidden_layers = {n_layers} entries")
+    if not isinstance(types, list):
+        raise ConfigValueError(f"{source}: layer_types = {types!r:.200}, expected a JSON list")
+    if len(types) != n_layers:
+        raise ConfigValueError(f"{source}: layer_types has {len(types)} entries, expected "
+                               f"num_hidden_layers = {n_layers}")
     for i, t in enumerate(types):
         if t not in LAYER_TYPES:
             raise ConfigValueError(f"{source}: layer_types[{i}] = {t!r}, expected one of {', '.join(LAYER_TYPES)}")

@@ -192,48 +192,48 @@ D = tiny.DELETE
 
 CASES = [
     # ---------------------------------------------------------- target config.json: types / ranges
-    Case("arch-object", BADT, "ConfigValueError", ("config.json", "architectures"), _config_patch({"architectures": {}})),
-    Case("arch-string", BADT, "ConfigValueError", ("config.json", "architectures"), _config_patch({"architectures": "Qwen3ForCausalLM"})),
+    Case("arch-object", BADT, "ConfigValueError", ("config.json", "architectures = {}"), _config_patch({"architectures": {}})),
+    Case("arch-string", BADT, "ConfigValueError", ("config.json", "architectures = 'Qwen3ForCausalLM'"), _config_patch({"architectures": "Qwen3ForCausalLM"})),
     Case("arch-empty", BADT, "UnknownArchitectureError", ("architectures",), _config_patch({"architectures": []})),
-    Case("hidden-str", BADT, "ConfigValueError", ("config.json", "hidden_size", "'abc'"), _config_patch({"hidden_size": "abc"})),
-    Case("hidden-zero", BADT, "ConfigValueError", ("hidden_size", "0"), _config_patch({"hidden_size": 0})),
-    Case("hidden-bool", BADT, "ConfigValueError", ("hidden_size", "True"), _config_patch({"hidden_size": True})),
-    Case("hidden-float", BADT, "ConfigValueError", ("hidden_size", "32.5"), _config_patch({"hidden_size": 32.5})),
-    Case("heads-zero", BADT, "ConfigValueError", ("num_attention_heads", "0"), _config_patch({"num_attention_heads": 0, "head_dim": D})),
-    Case("heads-neg", BADT, "ConfigValueError", ("num_attention_heads", "-2"), _config_patch({"num_attention_heads": -2})),
-    Case("kv-heads-not-divisor", BADT, "ConfigValueError", ("num_key_value_heads", "3"), _config_patch({"num_key_value_heads": 3})),
-    Case("head-dim-str", BADT, "ConfigValueError", ("head_dim", "'16'"), _config_patch({"head_dim": "16"})),
-    Case("intermediate-neg", BADT, "ConfigValueError", ("intermediate_size", "-1"), _config_patch({"intermediate_size": -1})),
-    Case("layers-zero", BADT, "ConfigValueError", ("num_hidden_layers", "0"), _config_patch({"num_hidden_layers": 0})),
-    Case("vocab-str", BADT, "ConfigValueError", ("vocab_size", "'x'"), _config_patch({"vocab_size": "x"})),
-    Case("rope-zero", BADT, "ConfigValueError", ("rope_theta", "0"), _config_patch({"rope_theta": 0})),
-    Case("rope-neg", BADT, "ConfigValueError", ("rope_theta", "-1"), _config_patch({"rope_theta": -1.0})),
-    Case("rope-str", BADT, "ConfigValueError", ("rope_theta", "'1e6'"), _config_patch({"rope_theta": "1e6"})),
-    Case("rope-nested-neg", BADT, "ConfigValueError", ("rope_parameters.rope_theta", "-5"),
+    Case("hidden-str", BADT, "ConfigValueError", ("config.json", "hidden_size = 'abc'",), _config_patch({"hidden_size": "abc"})),
+    Case("hidden-zero", BADT, "ConfigValueError", ("hidden_size = 0",), _config_patch({"hidden_size": 0})),
+    Case("hidden-bool", BADT, "ConfigValueError", ("hidden_size = True",), _config_patch({"hidden_size": True})),
+    Case("hidden-float", BADT, "ConfigValueError", ("hidden_size = 32.5",), _config_patch({"hidden_size": 32.5})),
+    Case("heads-zero", BADT, "ConfigValueError", ("num_attention_heads = 0",), _config_patch({"num_attention_heads": 0, "head_dim": D})),
+    Case("heads-neg", BADT, "ConfigValueError", ("num_attention_heads = -2",), _config_patch({"num_attention_heads": -2})),
+    Case("kv-heads-not-divisor", BADT, "ConfigValueError", ("num_key_value_heads = 3",), _config_patch({"num_key_value_heads": 3})),
+    Case("head-dim-str", BADT, "ConfigValueError", ("head_dim = '16'",), _config_patch({"head_dim": "16"})),
+    Case("intermediate-neg", BADT, "ConfigValueError", ("intermediate_size = -1",), _config_patch({"intermediate_size": -1})),
+    Case("layers-zero", BADT, "ConfigValueError", ("num_hidden_layers = 0",), _config_patch({"num_hidden_layers": 0})),
+    Case("vocab-str", BADT, "ConfigValueError", ("vocab_size = 'x'",), _config_patch({"vocab_size": "x"})),
+    Case("rope-zero", BADT, "ConfigValueError", ("rope_theta = 0",), _config_patch({"rope_theta": 0})),
+    Case("rope-neg", BADT, "ConfigValueError", ("rope_theta = -1",), _config_patch({"rope_theta": -1.0})),
+    Case("rope-str", BADT, "ConfigValueError", ("rope_theta = '1e6'",), _config_patch({"rope_theta": "1e6"})),
+    Case("rope-nested-neg", BADT, "ConfigValueError", ("rope_parameters.rope_theta = -5",),
          _config_patch({"rope_theta": D, "rope_parameters": {"rope_type": "default", "rope_theta": -5}})),
-    Case("eps-neg", BADT, "ConfigValueError", ("rms_norm_eps", "-1e-06"), _config_patch({"rms_norm_eps": -1e-6})),
-    Case("eps-str", BADT, "ConfigValueError", ("rms_norm_eps", "'tiny'"), _config_patch({"rms_norm_eps": "tiny"})),
-    Case("eps-nan", BADT, "ConfigValueError", ("rms_norm_eps", "nan"),
+    Case("eps-neg", BADT, "ConfigValueError", ("rms_norm_eps = -1e-06",), _config_patch({"rms_norm_eps": -1e-6})),
+    Case("eps-str", BADT, "ConfigValueError", ("rms_norm_eps = 'tiny'",), _config_patch({"rms_norm_eps": "tiny"})),
+    Case("eps-nan", BADT, "ConfigValueError", ("rms_norm_eps = nan",),
          _config_text('{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64, '
                       '"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, '
                       '"vocab_size": 320, "rms_norm_eps": NaN}')),
-    Case("maxpos-zero", BADT, "ConfigValueError", ("max_position_embeddings", "0"), _config_patch({"max_position_embeddings": 0})),
-    Case("tie-str", BADT, "ConfigValueError", ("tie_word_embeddings", "'false'"), _config_patch({"tie_word_embeddings": "false"})),
-    Case("eos-str", BADT, "ConfigValueError", ("eos_token_id", "'abc'"), _config_patch({"eos_token_id": "abc"})),
+    Case("maxpos-zero", BADT, "ConfigValueError", ("max_position_embeddings = 0",), _config_patch({"max_position_embeddings": 0})),
+    Case("tie-str", BADT, "ConfigValueError", ("tie_word_embeddings = 'false'",), _config_patch({"tie_word_embeddings": "false"})),
+    Case("eos-str", BADT, "ConfigValueError", ("eos_token_id = 'abc'",), _config_patch({"eos_token_id": "abc"})),
     Case("eos-list-mixed", BADT, "ConfigValueError", ("eos_token_id",), _config_patch({"eos_token_id": [1, "x"]})),
-    Case("bos-str", BADT, "ConfigValueError", ("bos_token_id", "'x'"), _config_patch({"bos_token_id": "x"})),
+    Case("bos-str", BADT, "ConfigValueError", ("bos_token_id = 'x'",), _config_patch({"bos_token_id": "x"})),
     Case("act-gelu", BADT, "UnsupportedConfigError", ("hidden_act", "gelu"), _config_patch({"hidden_act": "gelu"})),
     Case("rope-yarn", BADT, "UnsupportedConfigError", ("rope_scaling", "yarn"), _config_patch({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})),
     Case("swa-flag-str", BADT, "ConfigValueError", ("use_sliding_window", "'yes'"), _config_patch({"use_sliding_window": "yes"})),
-    Case("swa-window-zero", BADT, "ConfigValueError", ("sliding_window", "0"), _config_patch({"use_sliding_window": True, "sliding_window": 0})),
+    Case("swa-window-zero", BADT, "ConfigValueError", ("sliding_window = 0",), _config_patch({"use_sliding_window": True, "sliding_window": 0})),
     Case("swa-window-null", BADT, "ConfigValueError", ("use_sliding_window", "sliding_window"), _config_patch({"use_sliding_window": True, "sliding_window": None})),
-    Case("swa-types-len", BADT, "ConfigValueError", ("layer_types", "3"),
+    Case("swa-types-len", BADT, "ConfigValueError", ("layer_types has 3 entries", "num_hidden_layers = 2"),
          _config_patch({"use_sliding_window": True, "sliding_window": 4, "layer_types": ["full_attention"] * 3})),
     Case("swa-types-no-window", BADT, "ConfigValueError", ("layer_types", "sliding_attention", "use_sliding_window"),
          _config_patch({"layer_types": ["sliding_attention", "full_attention"]})),
-    Case("swa-types-unknown", BADT, "ConfigValueError", ("layer_types", "chunked_attention"),
+    Case("swa-types-unknown", BADT, "ConfigValueError", ("layer_types[0] = 'chunked_attention'",),
          _config_patch({"use_sliding_window": True, "sliding_window": 4, "layer_types": ["chunked_attention", "full_attention"]})),
-    Case("swa-max-window-str", BADT, "ConfigValueError", ("max_window_layers", "'x'"),
+    Case("swa-max-window-str", BADT, "ConfigValueError", ("max_window_layers = 'x'",),
          _config_patch({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": "x"})),
     Case("config-list", BADT, "ConfigError", ("config.json", "list"), _config_text("[1]")),
     Case("config-bad-json", BADT, "CorruptHeaderError", ("config.json",), _config_text("{")),
@@ -303,7 +303,7 @@ CASES = [
     Case("usage-device", GEN + ["--device", "gpu"], "BadParameter", ("--device", "gpu")),
     Case("usage-dtype", GEN + ["--dtype", "f16"], "BadParameter", ("--dtype", "f16")),
     Case("usage-unknown-option", GEN + ["--frobnicate"], "NoSuchOption", ("--frobnicate",)),
-    Case("usage-unknown-command", ["frobnicate"], "UsageError", ("frobnicate",)),
+    Case("usage-unknown-command", ["frobnicate"], "NoSuchCommand", ("frobnicate",)),
     Case("usage-missing-value", ["generate", "--target"], "BadOptionUsage", ("--target",)),
     Case("block-size-too-big", ["generate", "--target", "{T}", "--draft", "{D}", "--prompt-ids", "5", "--block-size", "99"],
          "GenerationArgumentError", ("block_size", "99")),
@@ -315,23 +315,23 @@ CASES = [
          "OutputPathError", ("--json", "directory")),
     Case("inspect-json-directory", ["inspect", "{T}", "--json", "{X}"], "OutputPathError", ("--json", "directory")),
     # ---------------------------------------------------------- draft config.json
-    Case("draft-block-str", BADD, "ConfigValueError", ("config.json", "block_size", "'abc'"), _draft_patch({"dflash_config": {"block_size": "abc"}})),
-    Case("draft-block-one", BADD, "ConfigValueError", ("block_size", "1"), _draft_patch({"dflash_config": {"block_size": 1}})),
-    Case("draft-mask-neg", BADD, "ConfigValueError", ("mask_token_id", "-1"), _draft_patch({"dflash_config": {"mask_token_id": -1}})),
-    Case("draft-taps-str", BADD, "ConfigValueError", ("target_layer_ids", "'abc'"), _draft_patch({"dflash_config": {"target_layer_ids": "abc"}})),
-    Case("draft-taps-bool", BADD, "ConfigValueError", ("target_layer_ids", "True"), _draft_patch({"dflash_config": {"target_layer_ids": [True]}})),
+    Case("draft-block-str", BADD, "ConfigValueError", ("config.json", "block_size = 'abc'",), _draft_patch({"dflash_config": {"block_size": "abc"}})),
+    Case("draft-block-one", BADD, "ConfigValueError", ("block_size = 1",), _draft_patch({"dflash_config": {"block_size": 1}})),
+    Case("draft-mask-neg", BADD, "ConfigValueError", ("mask_token_id = -1",), _draft_patch({"dflash_config": {"mask_token_id": -1}})),
+    Case("draft-taps-str", BADD, "ConfigValueError", ("target_layer_ids = 'abc'",), _draft_patch({"dflash_config": {"target_layer_ids": "abc"}})),
+    Case("draft-taps-bool", BADD, "ConfigValueError", ("target_layer_ids[0] = True",), _draft_patch({"dflash_config": {"target_layer_ids": [True]}})),
     Case("draft-taps-range", BADD, "PairingError", ("target_layer_ids", "7"), _draft_patch({"dflash_config": {"target_layer_ids": [7]}})),
-    Case("draft-conv-group-str", BADD, "ConfigValueError", ("conv_group_size", "'x'"), _draft_patch({"dflash_config": {"conv_group_size": "x"}})),
-    Case("draft-topk-zero", BADD, "ConfigValueError", ("selector_top_k", "0"), _draft_patch({"dflash_config": {"selector_top_k": 0}})),
-    Case("draft-softcap-str", BADD, "ConfigValueError", ("final_logit_softcapping", "'x'"), _draft_patch({"dflash_config": {"final_logit_softcapping": "x"}})),
-    Case("draft-scale-str", BADD, "ConfigValueError", ("input_embedding_scale", "'big'"), _draft_patch({"dflash_config": {"input_embedding_scale": "big"}})),
-    Case("draft-eps-neg", BADD, "ConfigValueError", ("rms_norm_eps", "-1"), _draft_patch({"rms_norm_eps": -1})),
-    Case("draft-rope-zero", BADD, "ConfigValueError", ("rope_theta", "0"), _draft_patch({"rope_parameters": {"rope_theta": 0}})),
-    Case("draft-window-zero", BADD, "ConfigValueError", ("sliding_window", "0"),
+    Case("draft-conv-group-str", BADD, "ConfigValueError", ("conv_group_size = 'x'",), _draft_patch({"dflash_config": {"conv_group_size": "x"}})),
+    Case("draft-topk-zero", BADD, "ConfigValueError", ("selector_top_k = 0",), _draft_patch({"dflash_config": {"selector_top_k": 0}})),
+    Case("draft-softcap-str", BADD, "ConfigValueError", ("final_logit_softcapping = 'x'",), _draft_patch({"dflash_config": {"final_logit_softcapping": "x"}})),
+    Case("draft-scale-str", BADD, "ConfigValueError", ("input_embedding_scale = 'big'",), _draft_patch({"dflash_config": {"input_embedding_scale": "big"}})),
+    Case("draft-eps-neg", BADD, "ConfigValueError", ("rms_norm_eps = -1",), _draft_patch({"rms_norm_eps": -1})),
+    Case("draft-rope-zero", BADD, "ConfigValueError", ("rope_theta = 0",), _draft_patch({"rope_parameters": {"rope_theta": 0}})),
+    Case("draft-window-zero", BADD, "ConfigValueError", ("sliding_window = 0",),
          _draft_patch({"layer_types": ["sliding_attention"], "sliding_window": 0})),
     Case("draft-is-causal-str", BADD, "IsCausalTypeError", ("is_causal", "'false'"), _draft_patch({"is_causal": "false"})),
-    Case("draft-arch-object", BADD, "ConfigValueError", ("architectures",), _draft_patch({"architectures": {}})),
-    Case("draft-heads-zero", BADD, "ConfigValueError", ("num_attention_heads", "0"), _draft_patch({"num_attention_heads": 0, "head_dim": D})),
+    Case("draft-arch-object", BADD, "ConfigValueError", ("architectures = {}",), _draft_patch({"architectures": {}})),
+    Case("draft-heads-zero", BADD, "ConfigValueError", ("num_attention_heads = 0",), _draft_patch({"num_attention_heads": 0, "head_dim": D})),
     Case("draft-hidden-mismatch", BADD, "PairingError", ("hidden_size",), _draft_patch({"hidden_size": 48, "dflash_config": {"conv_group_size": 8}})),
     # ---------------------------------------------------------- numba's cache directory
     Case("numba-cache-truncated", GEN, "KernelCacheError", (".nbc",), _corrupt_numba_cache,
@@ -392,6 +392,7 @@ def results(tmp_path_factory):
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         out = dict(zip([c.id for c in CASES], pool.map(run, CASES)))
+    out["_paths"] = {"target": good, "root": root}
     return out
 
 
@@ -410,3 +411,20 @@ def test_bad_input(results, case):
     assert lines[0].startswith(f"error: {case.error}: "), lines[0]
     for name in case.names:
         assert name in lines[0], (name, lines[0])
+
+
+def test_certain_selector_refusal_before_any_output(results):
+    """A DFlash2 draft whose selector refuses every step (selector_top_k above the vocabulary):
+    the load notice and the named refusal on stderr, and not even the prefill token on stdout."""
+    good, root = results["_paths"]["target"], results["_paths"]["root"]
+    vocab = json.loads((good / "config.json").read_text())["vocab_size"]
+    draft = tiny.write_draft(root / "refusing", good, kind="dflash2", num_hidden_layers=1, block_size=4,
+                             selector_rank=8, selector_top_k=vocab + 1, seed=6)
+    r = subprocess.run([sys.executable, "-m", "dflash2_numba", "generate", "--target", str(good), "--draft",
+                        str(draft), "--prompt-ids", "5,6,7", "--max-new-tokens", "4"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert len(lines) == 2, r.stderr
+    assert lines[0].startswith("notice: the DFlash2 candidate selector will refuse every step") and "selector_top_k" in lines[0]
+    assert lines[1].startswith("error: SelectorRefusedError: ") and f"selector_top_k = {vocab + 1}" in lines[1]
