@@ -241,6 +241,8 @@ CASES = [
     # ---------------------------------------------------------- safetensors payloads and headers
     Case("st-header-len-minus-1", BADT, "DataOffsetError", ("model.safetensors",),
          _st_edit(lambda n, h, p: (_lower_header_length(n, h, p)[0], p, len(_lower_header_length(n, h, p)[0]) - 1))),
+    Case("inspect-header-len-minus-1", ["inspect", "{X}/m", "--no-hash"], "DataOffsetError", ("model.safetensors", "payload"),
+         _st_edit(lambda n, h, p: (_lower_header_length(n, h, p)[0], p, len(_lower_header_length(n, h, p)[0]) - 1))),
     Case("st-gap-at-start", BADT, "DataOffsetError", ("model.safetensors", "0"), _st_edit(_shifted)),
     Case("st-overlap", BADT, "DataOffsetError", ("model.safetensors", "layernorm"), _st_edit(_overlap)),
     Case("st-trailing-bytes", BADT, "DataOffsetError", ("model.safetensors", "payload"), _st_edit(_trailing)),
@@ -353,8 +355,11 @@ def _fill(arg: str, paths: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("bad")
+    # run only the cases pytest selected (-k), so one case can be rerun in seconds
+    selected = {item.callspec.params["case"].id for item in request.session.items
+                if "case" in getattr(getattr(item, "callspec", None), "params", {})}
     good = tiny.write_target(root / "target", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                              tokenizer_vocab_size=300, max_position_embeddings=MAX_POS, seed=5)
@@ -390,8 +395,9 @@ def results(tmp_path_factory):
         except subprocess.TimeoutExpired as e:  # reported by the case's own test
             return subprocess.CompletedProcess(e.cmd, None, e.stdout or "", f"timed out after 60 s\n{e.stderr or ''}")
 
+    cases = [c for c in CASES if c.id in selected]
     with ThreadPoolExecutor(max_workers=3) as pool:
-        out = dict(zip([c.id for c in CASES], pool.map(run, CASES)))
+        out = dict(zip([c.id for c in cases], pool.map(run, cases)))
     out["_paths"] = {"target": good, "root": root}
     return out
 
@@ -428,3 +434,10 @@ def test_certain_selector_refusal_before_any_output(results):
     assert len(lines) == 2, r.stderr
     assert lines[0].startswith("notice: the DFlash2 candidate selector will refuse every step") and "selector_top_k" in lines[0]
     assert lines[1].startswith("error: SelectorRefusedError: ") and f"selector_top_k = {vocab + 1}" in lines[1]
+    # in-process: stream_generate refuses when called, before the prefill step is yielded (a
+    # token that decodes to a held-back partial character would not show on stdout above)
+    import dflash2_numba as dn
+
+    target = dn.load_target(good)
+    with pytest.raises(dn.SelectorRefusedError, match="selector_top_k"):
+        dn.stream_generate(target, dn.load_draft(draft, target), prompt_ids=[5, 6, 7], max_new_tokens=4)
