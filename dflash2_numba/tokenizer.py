@@ -133,8 +133,11 @@ class Tokenizer:
         tok_config = _read_json(tc_path) or {}
         # chat_template.jinja (what recent transformers save) wins over the JSON entry
         jinja_path = model_dir / "chat_template.jinja"
-        template = (jinja_path.read_text(encoding="utf-8") if jinja_path.is_file()
-                    else _pick_template(tok_config.get("chat_template"), tc_path))
+        try:
+            template = (jinja_path.read_text(encoding="utf-8") if jinja_path.is_file()
+                        else _pick_template(tok_config.get("chat_template"), tc_path))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{jinja_path}: cannot read the chat template ({e})") from e
         gen_path, cfg_path = model_dir / "generation_config.json", model_dir / "config.json"
         return cls(
             hf, model_dir=model_dir, chat_template=template,
