@@ -362,8 +362,8 @@ def _fill(arg: str, paths: dict) -> str:
 def results(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("bad")
     # run only the cases pytest selected (-k), so one case can be rerun in seconds
-    selected = {item.callspec.params["case"].id for item in request.session.items
-                if "case" in getattr(getattr(item, "callspec", None), "params", {})}
+    params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items]
+    selected = {p["case"].id for p in params if isinstance(p.get("case"), Case)}
     good = tiny.write_target(root / "target", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                              tokenizer_vocab_size=300, max_position_embeddings=MAX_POS, seed=5)
