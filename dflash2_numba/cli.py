@@ -28,6 +28,7 @@ import click
 
 from . import __version__
 from .cli_checks import check_output_path, one_line, parse_prompt_ids, read_prompt_file
+from .decode.sampling import SamplingParams
 from .errors import DFlashError, GenerationArgumentError, OutputPathError
 
 
@@ -147,6 +148,7 @@ def generate(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_i
     from .decode.loop import generate as run_generate, resolve_prompt_ids, stream_generate
 
     check_output_path(json_dest)
+    SamplingParams(temperature, top_k, top_p, seed)  # refused before the (slow) model load
     prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
     target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype)
     ids = resolve_prompt_ids(target, prompt, ids, chat)
@@ -204,6 +206,7 @@ def propose(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_id
     from .decode.loop import propose_once
 
     check_output_path(json_dest)
+    SamplingParams(temperature, top_k, top_p, seed)
     prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
     _, _, target, draft = _load(target_dir, draft_dir, device, dtype, need_draft=True)
     res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, block_size=block_size,
