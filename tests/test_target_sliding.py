@@ -78,3 +78,35 @@ def test_sliding_greedy_identical_to_hf(models, seq, case):
     mine = greedy(TargetModel.load(models[case], dtype="f32"), seq[:PROMPT], 24)
     ref = hf_greedy(load_hf(models[case], torch.float32), seq[:PROMPT], 24)
     assert mine == ref
+
+
+ABSENT = object()
+
+
+@pytest.mark.parametrize("use", [True, False])
+@pytest.mark.parametrize("window", [ABSENT, None, 4])
+@pytest.mark.parametrize("max_window_layers", [ABSENT, 0, 2, 5])
+@pytest.mark.parametrize("layer_types", [ABSENT, ["full_attention", "sliding_attention", "sliding_attention"]])
+def test_window_resolution_agrees_with_qwen3config(use, window, max_window_layers, layer_types):
+    """Every combination resolves to transformers' per-layer windows, or is refused by name
+    exactly when transformers would leave a layer that should slide without a window (it then
+    runs full attention: use_sliding_window with a null window, or sliding layer_types without
+    use_sliding_window)."""
+    import json
+
+    from dflash2_numba.errors import ConfigValueError
+
+    keys = dict(use_sliding_window=use, sliding_window=window, max_window_layers=max_window_layers,
+                layer_types=layer_types)
+    keys = {k: v for k, v in keys.items() if v is not ABSENT}
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    hf = Qwen3Config(**base, **keys)
+    raw = json.loads(json.dumps({"architectures": ["Qwen3ForCausalLM"], **base, **keys}))
+    hf_windows = tuple(hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types)
+    slides_without_window = "sliding_attention" in hf.layer_types and hf.sliding_window is None
+    if (use and window is None) or slides_without_window:
+        with pytest.raises(ConfigValueError, match="sliding_window|use_sliding_window"):
+            resolve_target_config(raw)
+    else:
+        assert resolve_target_config(raw).layer_window == hf_windows
