@@ -19,7 +19,10 @@ from .errors import (AttentionSinkBiasError, ChatTemplateMissingError, Checkpoin
                      CheckpointNotFoundError, ConfigError, DeviceUnavailableError, DFlashError,
                      GenerationArgumentError, GGUFNotSupportedError, IsCausalTypeError,
                      MissingTensorsError, PairingError, SelectorRefusedError, TensorShapeError,
-                     UnexpectedTensorsError, UnknownArchitectureError, UnsupportedConfigError)
+                     UnexpectedTensorsError, UnknownArchitectureError, UnsupportedConfigError,
+                     ChatTemplateError, ConfigValueError, ContextLengthError, CorruptHeaderError,
+                     DataOffsetError, KernelCacheError, NonFiniteLogitsError, OutputPathError,
+                     UnknownDTypeError)
 
 __version__ = "0.1.0"
 
@@ -30,5 +33,7 @@ __all__ = [
     "GGUFNotSupportedError", "MissingTensorsError", "UnexpectedTensorsError", "TensorShapeError",
     "ConfigError", "UnknownArchitectureError", "AttentionSinkBiasError", "IsCausalTypeError",
     "UnsupportedConfigError", "PairingError", "SelectorRefusedError", "ChatTemplateMissingError",
-    "DeviceUnavailableError", "GenerationArgumentError",
+    "DeviceUnavailableError", "GenerationArgumentError", "ChatTemplateError", "ConfigValueError",
+    "ContextLengthError", "CorruptHeaderError", "DataOffsetError", "KernelCacheError",
+    "NonFiniteLogitsError", "OutputPathError", "UnknownDTypeError",
 ]

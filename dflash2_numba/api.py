@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import DRAFT_ARCHITECTURES, read_config_json
+from .config_checks import architecture_of
 from .errors import DeviceUnavailableError, GenerationArgumentError, UnknownArchitectureError
 
 DEVICES = ("cpu", "cuda")
@@ -30,9 +31,11 @@ def load_target(model_dir, device: str = "cpu", dtype: str = "f32"):
     from .tokenizer import Tokenizer      # `import dflash2_numba` cheap
 
     config_path, raw = read_config_json(model_dir)
-    model_class = target_family(raw, str(config_path)).model_class()
-    target = model_class.load(model_dir, device=device, dtype=dtype)
+    family = target_family(raw, str(config_path))
+    # config and tokenizer first: their refusals need no kernel module (no numba import)
+    family.resolve(raw, str(config_path))
     tok = Tokenizer.from_dir(model_dir)
+    target = family.model_class().load(model_dir, device=device, dtype=dtype)
     target.tokenizer = tok
     # ids >= the tokenizer's size are padding (§2.1); the decode loop masks them to -inf
     target.valid_vocab = min(tok.vocab_size, target.config.vocab_size)
@@ -52,7 +55,7 @@ def _require_cuda() -> None:
 def draft_kind(draft_dir) -> str:
     """"dflash" | "dflash2" from config.json architectures[0] (typed error otherwise)."""
     path, raw = read_config_json(draft_dir)
-    arch = (raw.get("architectures") or [None])[0]
+    arch = architecture_of(raw, str(path))
     if arch not in DRAFT_ARCHITECTURES:
         raise UnknownArchitectureError(
             f"{path}: architectures[0] = {arch!r}; supported drafts: {', '.join(DRAFT_ARCHITECTURES)}")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +51,77 @@ def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def check_weight_file(path: Path, what: str = "safetensors file") -> Path:
+    """`path` must be a regular file we can open: a directory, a dangling symlink or a symlink
+    loop in its place is refused by name (`Path.is_file` would just say False)."""
+    try:
+        st = os.stat(path)  # follows symlinks: ENOENT (dangling) / ELOOP (loop) land here
+    except OSError as e:
+        if os.path.islink(path):
+            link = os.readlink(path)
+            why = "a symlink loop" if e.errno == 40 else f"a dangling symlink to {link!r}"
+            raise CheckpointNotFoundError(f"{path}: {what} is {why} ({e.strerror})") from e
+        raise CheckpointNotFoundError(f"{path}: {what} cannot be read ({e.strerror})") from e
+    if not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise CheckpointNotFoundError(f"{path}: {what} is {kind}, expected a regular file")
+    return path
+
+
+def _parse_header(path: Path, raw: bytes) -> dict:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptHeaderError(f"{path}: header is not valid JSON ({e})") from e
+    except RecursionError as e:  # json recurses once per nesting level
+        raise CorruptHeaderError(f"{path}: header JSON nested too deeply to parse (corrupt)") from e
+    if not isinstance(header, dict):
+        raise CorruptHeaderError(f"{path}: header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    # the safetensors format (and its reference reader) allows only string -> string metadata
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptHeaderError(f"{path}: __metadata__ must map strings to strings, got {meta!r:.200}")
+    return header
+
+
+def _entry(path: Path, name: str, entry) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, types checked."""
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptHeaderError(f"{path}: tensor '{name}': malformed header entry {entry!r:.200}") from e
+    if not isinstance(dtype, str):
+        raise CorruptHeaderError(f"{path}: tensor '{name}': dtype {dtype!r:.100} must be a string")
+    # JSON ints only: a float or string here would make the byte arithmetic below lie
+    if not all(_is_count(v) for v in (*shape, begin, end)):
+        raise CorruptHeaderError(
+            f"{path}: tensor '{name}': shape {list(shape)!r:.200} and data_offsets {[begin, end]!r:.200} "
+            "must be non-negative integers"
+        )
+    return dtype, shape, begin, end
+
+
+def _check_tiling(path: Path, spans: list[tuple[int, int, str]], payload_size: int) -> None:
+    """The data offsets must tile the payload exactly: sorted by position, the first begins at
+    0, each ends where the next begins, the last ends at the payload's end. A gap, an overlap
+    or a wrong header length (which shifts every tensor) is a corrupt file, never a load."""
+    pos, prev = 0, "the payload start"
+    for begin, end, name in sorted(spans):
+        if begin != pos:
+            gap = "overlaps" if begin < pos else "leaves a gap after"
+            raise DataOffsetError(
+                f"{path}: tensor '{name}' data_offsets begin at {begin}, expected {pos}: it {gap} "
+                f"{prev} (offsets must tile the payload exactly)")
+        pos, prev = end, f"tensor '{name}'"
+    if pos != payload_size:
+        raise DataOffsetError(
+            f"{path}: tensors end at byte {pos} of a payload of {payload_size} bytes "
+            f"({payload_size - pos:+d} bytes unaccounted for: truncated, padded, or a wrong header length)")
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one file's header. Nothing is mapped yet."""
+    check_weight_file(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -64,41 +135,29 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path}: header length {n} + 8 exceeds the file size {size} (truncated or corrupt)"
             )
         raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptHeaderError(f"{path}: header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise CorruptHeaderError(f"{path}: header is not a JSON object")
+    header = _parse_header(path, raw)
     payload_start, payload_size = 8 + n, size - 8 - n
-    infos = {}
+    infos, spans = {}, []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptHeaderError(f"{path}: tensor '{name}': malformed header entry {entry!r}") from e
-        # JSON ints only: a float or string here would make the byte arithmetic below lie
-        if not all(_is_count(v) for v in (*shape, begin, end)):
-            raise CorruptHeaderError(
-                f"{path}: tensor '{name}': shape {list(shape)} and data_offsets {[begin, end]} "
-                "must be non-negative integers"
-            )
+        dtype, shape, begin, end = _entry(path, name, entry)
         if dtype not in DTYPES:
             raise UnknownDTypeError(
-                f"{path}: tensor '{name}' has dtype {dtype!r}; readable dtypes: {', '.join(DTYPES)}"
+                f"{path}: tensor '{name}' has dtype {dtype!r:.100}; readable dtypes: {', '.join(DTYPES)}"
             )
         if not (0 <= begin <= end <= payload_size):
             raise DataOffsetError(
                 f"{path}: tensor '{name}' data_offsets [{begin}, {end}] outside the payload of {payload_size} bytes"
             )
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+        expected = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize  # Python ints: no overflow
         if end - begin != expected:
             raise DataOffsetError(
                 f"{path}: tensor '{name}' spans {end - begin} bytes, expected {expected} for {dtype} {list(shape)}"
             )
+        spans.append((begin, end, name))
         infos[name] = TensorInfo(name, dtype, shape, path, payload_start + begin, payload_start + end)
+    _check_tiling(path, spans, payload_size)
     return infos
 
 
@@ -173,7 +232,7 @@ def read_weight_map(index: Path) -> dict[str, str]:
     """`{"weight_map": {tensor: file}}` of a sharded checkpoint."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
         raise CorruptHeaderError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from e
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise CorruptHeaderError(f"{index}: weight_map must map tensor names to file names")
@@ -187,15 +246,16 @@ def _shard_files(directory: Path) -> list[Path]:
         weight_map = read_weight_map(index)
         files = [directory / f for f in sorted(set(weight_map.values()))]
         for f in files:
-            if not f.is_file():
+            if not os.path.lexists(f):
                 raise CheckpointNotFoundError(f"{f}: shard named by {index} does not exist")
+            check_weight_file(f, f"shard named by {index.name}")
         return files
     single = directory / SINGLE_NAME
-    if single.is_file():
-        return [single]
+    if os.path.lexists(single):  # present in the listing: it must be a readable regular file
+        return [check_weight_file(single)]
     others = sorted(directory.glob("*.safetensors"))
     if others:
-        return others
+        return [check_weight_file(f) for f in others]
     raise CheckpointNotFoundError(f"{directory}: no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors file")
 
 

@@ -12,8 +12,10 @@ streams and the object is written to PATH.
 Without `--target`, the embedded default pair is used (see default.py), draft included unless
 `--draft` names another. With `--target` and no `--draft`, decoding is target-only.
 
-Errors: every refusal of this package (DFlashError) prints ONE line
-`error: ClassName: message` on stderr and exits with code 2 (click's own usage errors also exit 2).
+Errors: every refusal of this package (DFlashError) and every click usage error (`--block-size
+abc`, an unknown option) prints ONE line `error: ClassName: message` on stderr and exits with
+code 2. Output paths, prompt ids and prompt files are checked (cli_checks.py) before a model is
+loaded, so a refusal never follows partial output.
 """
 
 from __future__ import annotations
@@ -25,19 +27,33 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import DFlashError, GenerationArgumentError
+from .cli_checks import check_output_path, one_line, parse_prompt_ids, read_prompt_file
+from .decode.sampling import SamplingParams
+from .errors import DFlashError, GenerationArgumentError, OutputPathError
 
 
 class _Group(click.Group):
-    """Turns every DFlashError into one stderr line and exit code 2."""
+    """Turns every DFlashError and every click usage error into one stderr line, exit code 2."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except DFlashError as e:
-            msg = " ".join(str(e).split())  # one line, whatever the message held
-            click.echo(f"error: {type(e).__name__}: {msg}", err=True)
+            click.echo(one_line(e), err=True)  # one line, whatever the message held
             ctx.exit(2)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:  # click's standalone mode would print usage + "Error: ..." on three lines
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:  # UsageError, BadParameter, NoSuchOption, ...: exit 2
+            click.echo(one_line(e), err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)  # ctx.exit(n) comes back as n
 
 
 @click.group(cls=_Group)
@@ -83,16 +99,9 @@ def _read_prompt(prompt, prompt_file, prompt_ids):
     if sum(given) != 1:
         raise GenerationArgumentError("give exactly one of --prompt, --prompt-file, --prompt-ids")
     if prompt_file is not None:
-        try:
-            return Path(prompt_file).read_text(encoding="utf-8"), None
-        except (OSError, UnicodeDecodeError) as e:
-            raise GenerationArgumentError(f"--prompt-file {prompt_file}: cannot read ({e})") from e
+        return read_prompt_file(prompt_file), None
     if prompt_ids is not None:
-        try:
-            ids = [int(x) for x in prompt_ids.replace(" ", "").split(",") if x != ""]
-        except ValueError as e:
-            raise GenerationArgumentError(f"--prompt-ids {prompt_ids!r}: expected comma-separated integers") from e
-        return None, ids
+        return None, parse_prompt_ids(prompt_ids)
     return prompt, None
 
 
@@ -115,10 +124,10 @@ def _write_json(obj, dest) -> None:
     if dest == "-":
         click.echo(text)
     else:
-        try:
+        try:  # checked before decoding (check_output_path); this catches a race or a full disk
             Path(dest).write_text(text + "\n", encoding="utf-8")
         except OSError as e:
-            raise GenerationArgumentError(f"--json {dest}: cannot write ({e})") from e
+            raise OutputPathError(f"--json {dest}: cannot write ({e})") from e
 
 
 # ---------------------------------------------------------------- generate
@@ -138,6 +147,8 @@ def generate(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_i
     """Generate text; stream it to stdout, statistics to stderr."""
     from .decode.loop import generate as run_generate, resolve_prompt_ids, stream_generate
 
+    check_output_path(json_dest)
+    SamplingParams(temperature, top_k, top_p, seed)  # refused before the (slow) model load
     prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
     target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype)
     ids = resolve_prompt_ids(target, prompt, ids, chat)
@@ -194,6 +205,8 @@ def propose(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_id
     """One draft proposal round, stopping before verification."""
     from .decode.loop import propose_once
 
+    check_output_path(json_dest)
+    SamplingParams(temperature, top_k, top_p, seed)
     prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
     _, _, target, draft = _load(target_dir, draft_dir, device, dtype, need_draft=True)
     res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, block_size=block_size,
@@ -228,6 +241,7 @@ def inspect(model_dir, json_dest, no_hash):
     """Resolved config, architecture, tensor inventory and sha256 of a target or draft directory."""
     from .inspect_model import format_inspect, inspect_model
 
+    check_output_path(json_dest)
     report = inspect_model(model_dir, hash_files=not no_hash)
     if json_dest is not None:
         _write_json(report, json_dest)

@@ -11,10 +11,24 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config_checks import (
+    architecture_of,
+    check_bool,
+    check_float,
+    check_int,
+    check_int_list,
+    get_bool,
+    get_float,
+    get_int,
+    get_object,
+    head_geometry,
+    token_ids,
+)
 from .errors import (
     AttentionSinkBiasError,
     CheckpointNotFoundError,
     ConfigError,
+    ConfigValueError,
     CorruptHeaderError,
     GGUFNotSupportedError,
     IsCausalTypeError,
@@ -58,6 +72,8 @@ def read_config_json(model_dir: str | Path) -> tuple[Path, dict]:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptHeaderError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError as e:  # json recurses per nesting level
+        raise CorruptHeaderError(f"{path}: JSON nested too deeply to parse (corrupt)") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return path, raw
@@ -72,28 +88,14 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _require(raw: dict, key: str, source: str):
-    if key not in raw or raw[key] is None:
-        raise ConfigError(f"{source}: required key '{key}' is missing")
-    return raw[key]
-
-
-def _eos_list(value) -> list[int]:
-    """eos_token_id may be an int, a list of ints, or absent."""
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def _rope_theta(raw: dict) -> float:
-    """Flat `rope_theta` wins; nested `rope_parameters.rope_theta` is the fallback."""
+def _rope_theta(raw: dict, source: str) -> float:
+    """Flat `rope_theta` wins; nested `rope_parameters.rope_theta` is the fallback. > 0: a zero
+    or negative base makes every inverse frequency inf / NaN."""
     if raw.get("rope_theta") is not None:
-        return float(raw["rope_theta"])
-    nested = raw.get("rope_parameters") or {}
+        return check_float(raw["rope_theta"], "rope_theta", source, positive=True)
+    nested = get_object(raw, "rope_parameters", source)
     if nested.get("rope_theta") is not None:
-        return float(nested["rope_theta"])
+        return check_float(nested["rope_theta"], "rope_parameters.rope_theta", source, positive=True)
     return DEFAULT_ROPE_THETA
 
 
@@ -130,6 +132,10 @@ class TargetConfig:
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     source: str = "config.json"
+    # per layer: None = full causal attention, W = causal sliding window (key s visible from
+    # query t iff 0 <= t - s < W, as HF's sliding_window_overlay); all None unless configured
+    layer_window: tuple[int | None, ...] = ()
+    sliding_window: int | None = None  # resolved (None unless use_sliding_window)
 
     @property
     def has_qk_norm(self) -> bool:  # Qwen3 normalises per head before RoPE; Llama does not
@@ -137,38 +143,86 @@ class TargetConfig:
 
 
 def resolve_target_config(raw: dict, source: str = "config.json") -> TargetConfig:
-    archs = raw.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = architecture_of(raw, source)
     if arch not in TARGET_ARCHITECTURES:
         raise UnknownArchitectureError(
             f"{source}: architectures[0] = {arch!r}; supported targets: {', '.join(TARGET_ARCHITECTURES)}"
         )
     for key in ("attention_bias", "mlp_bias"):
-        if raw.get(key):
+        if get_bool(raw, key, source, default=False):
             raise UnsupportedConfigError(f"{source}: {key} = true is not supported (no bias path)")
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedConfigError(f"{source}: hidden_act = {raw['hidden_act']!r}; only 'silu'")
     _refuse_rope_scaling(raw, source)
-    H = int(_require(raw, "hidden_size", source))
-    nh = int(_require(raw, "num_attention_heads", source))
+    H = get_int(raw, "hidden_size", source, minimum=1)
+    nh, nkv, hd = head_geometry(raw, source, H)
+    n_layers = get_int(raw, "num_hidden_layers", source, minimum=1)
+    windows, sliding_window = _target_windows(raw, arch, n_layers, source)
     return TargetConfig(
         architecture=arch,
         model_type=raw.get("model_type", ""),
         hidden_size=H,
-        intermediate_size=int(_require(raw, "intermediate_size", source)),
-        num_hidden_layers=int(_require(raw, "num_hidden_layers", source)),
+        intermediate_size=get_int(raw, "intermediate_size", source, minimum=1),
+        num_hidden_layers=n_layers,
         num_attention_heads=nh,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or nh),
-        head_dim=int(raw.get("head_dim") or H // nh),
-        vocab_size=int(_require(raw, "vocab_size", source)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-        eos_token_id=_eos_list(raw.get("eos_token_id")),
-        bos_token_id=raw.get("bos_token_id"),
+        num_key_value_heads=nkv,
+        head_dim=hd,
+        vocab_size=get_int(raw, "vocab_size", source, minimum=1),
+        rms_norm_eps=get_float(raw, "rms_norm_eps", source, default=1e-6, positive=True),
+        rope_theta=_rope_theta(raw, source),
+        tie_word_embeddings=get_bool(raw, "tie_word_embeddings", source, default=False),
+        max_position_embeddings=get_int(raw, "max_position_embeddings", source, default=32768, minimum=1),
+        eos_token_id=token_ids(raw.get("eos_token_id"), "eos_token_id", source),
+        bos_token_id=get_int(raw, "bos_token_id", source, default=None, minimum=0),
         source=source,
+        layer_window=windows,
+        sliding_window=sliding_window,
     )
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(raw: dict, n_layers: int, source: str) -> list[str] | None:
+    """`layer_types` as given (None when absent): a list of n_layers known names."""
+    types = raw.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list):
+        raise ConfigValueError(f"{source}: layer_types = {types!r:.200}, expected a JSON list")
+    if len(types) != n_layers:
+        raise ConfigValueError(f"{source}: layer_types has {len(types)} entries, expected "
+                               f"num_hidden_layers = {n_layers}")
+    for i, t in enumerate(types):
+        if t not in LAYER_TYPES:
+            raise ConfigValueError(f"{source}: layer_types[{i}] = {t!r}, expected one of {', '.join(LAYER_TYPES)}")
+    return types
+
+
+def _target_windows(raw: dict, arch: str, n_layers: int, source: str):
+    """Per-layer sliding windows of a Qwen3 target, resolved as transformers' Qwen3Config does:
+    sliding_window counts only with use_sliding_window (default 4096 when the key is absent);
+    without layer_types, layers i >= max_window_layers slide. Llama has no sliding path in HF
+    (the keys are ignored there, and here). -> (layer_window tuple, resolved sliding_window)."""
+    if arch != "Qwen3ForCausalLM":
+        return (None,) * n_layers, None
+    use = get_bool(raw, "use_sliding_window", source, default=False)
+    window = get_int(raw, "sliding_window", source, default=None, minimum=1) if "sliding_window" in raw else 4096
+    if use and window is None:
+        raise ConfigValueError(f"{source}: use_sliding_window = true but sliding_window = null: "
+                               "no window to slide (give sliding_window >= 1, or set use_sliding_window false)")
+    window = window if use else None
+    max_window_layers = get_int(raw, "max_window_layers", source, default=28, minimum=0)
+    types = _layer_types(raw, n_layers, source)
+    if types is None:
+        types = ["sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
+                 for i in range(n_layers)]
+    if "sliding_attention" in types and window is None:
+        raise ConfigValueError(
+            f"{source}: layer_types has sliding_attention layers but use_sliding_window = {use} and "
+            f"sliding_window = {raw.get('sliding_window')!r} give no window; transformers would run them "
+            "with full attention, which is not what layer_types says")
+    return tuple(window if t == "sliding_attention" else None for t in types), window
 
 
 def load_target_config(model_dir: str | Path) -> TargetConfig:
@@ -232,12 +286,13 @@ class DraftConfig:
         return "fc.weight", "hidden_norm.weight"
 
 
-def _first(*candidates):
-    """First value that is not None (first hit wins)."""
-    for value in candidates:
+def _first(*candidates: tuple[str, object]) -> tuple[str, object]:
+    """(key, value) of the first candidate whose value is not None (first hit wins);
+    (first key, None) when none is set. Keys are the dotted names used in messages."""
+    for key, value in candidates:
         if value is not None:
-            return value
-    return None
+            return key, value
+    return candidates[0][0], None
 
 
 def _layer_causality(raw: dict, dc: dict, n_layers: int, layer_types, source: str) -> list[bool]:
@@ -260,16 +315,13 @@ def _layer_causality(raw: dict, dc: dict, n_layers: int, layer_types, source: st
 
 def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: str = "config.json") -> DraftConfig:
     """DESIGN §2.2 table. `target` supplies num_target_layers / vocab when the draft omits them."""
-    archs = raw.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = architecture_of(raw, source)
     if arch not in DRAFT_ARCHITECTURES:
         raise UnknownArchitectureError(
             f"{source}: architectures[0] = {arch!r}; supported drafts: {', '.join(DRAFT_ARCHITECTURES)}"
         )
     kind = DRAFT_ARCHITECTURES[arch]
-    dc = raw.get("dflash_config") or {}
-    if not isinstance(dc, dict):
-        raise ConfigError(f"{source}: dflash_config must be an object, got {type(dc).__name__}")
+    dc = get_object(raw, "dflash_config", source)
     for key, sink in (("dflash_config.attention_sink_bias", dc.get("attention_sink_bias")),
                       ("attention_sink_bias", raw.get("attention_sink_bias"))):
         if sink is not None and sink is not False:
@@ -279,26 +331,37 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
             )
     _refuse_rope_scaling(raw, source)
 
-    block_size = _first(dc.get("block_size"), raw.get("block_size"))
+    def nested_or_top(name: str):  # dflash_config.<name> wins over the top-level key
+        return _first((f"dflash_config.{name}", dc.get(name)), (name, raw.get(name)))
+
+    key, block_size = nested_or_top("block_size")
     if block_size is None:
         raise ConfigError(f"{source}: block_size missing (looked in dflash_config.block_size, block_size)")
-    if int(block_size) < 2:
-        raise ConfigError(f"{source}: block_size = {block_size}, expected >= 2 (anchor + at least one mask)")
-    mask_token_id = _first(dc.get("mask_token_id"), raw.get("mask_token_id"))
+    block_size = check_int(block_size, key, source, minimum=2)  # anchor + at least one mask
+    key, mask_token_id = nested_or_top("mask_token_id")
     if mask_token_id is None:
         raise ConfigError(f"{source}: mask_token_id missing (looked in dflash_config.mask_token_id, mask_token_id)")
+    mask_token_id = check_int(mask_token_id, key, source, minimum=0)
 
-    H = int(_require(raw, "hidden_size", source))
-    nh = int(_require(raw, "num_attention_heads", source))
-    n_layers = int(_require(raw, "num_hidden_layers", source))
-    num_target_layers = _first(
-        raw.get("num_target_layers"), dc.get("num_target_layers"), target.num_hidden_layers if target else None
-    )
+    H = get_int(raw, "hidden_size", source, minimum=1)
+    nh, nkv, hd = head_geometry(raw, source, H)
+    n_layers = get_int(raw, "num_hidden_layers", source, minimum=1)
+    key, num_target_layers = _first(("num_target_layers", raw.get("num_target_layers")),
+                                    ("dflash_config.num_target_layers", dc.get("num_target_layers")))
+    if num_target_layers is None and target is not None:
+        num_target_layers = target.num_hidden_layers
     if num_target_layers is None and arch != MUSE_ASSISTANT:  # the assistant names its taps, no count
         raise ConfigError(f"{source}: num_target_layers unknown and no target given")
-    tap_ids = _first(dc.get("target_layer_ids"), raw.get("target_layer_ids"))
+    if num_target_layers is not None:
+        num_target_layers = check_int(num_target_layers, key, source, minimum=1)
+    key, tap_ids = nested_or_top("target_layer_ids")
     if tap_ids is None:
-        tap_ids = build_target_layer_ids(int(num_target_layers), n_layers)
+        if num_target_layers is None:
+            raise ConfigError(f"{source}: neither {key} nor num_target_layers is given (and no target)")
+        tap_ids = build_target_layer_ids(num_target_layers, n_layers)
+    tap_ids = check_int_list(tap_ids, key, source, minimum=0)
+    if not tap_ids:
+        raise ConfigValueError(f"{source}: {key} = [], expected at least one target layer")
 
     layer_types = raw.get("layer_types")
     if layer_types is not None:
@@ -307,57 +370,63 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
         if len(layer_types) != n_layers:
             raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries, expected {n_layers}")
         for t in layer_types:
-            if t not in ("full_attention", "sliding_attention"):
+            if t not in LAYER_TYPES:
                 raise ConfigError(f"{source}: layer_types entry {t!r} is not full_attention/sliding_attention")
         sliding = [t == "sliding_attention" for t in layer_types]
     else:
-        sliding = [bool(dc.get("use_swa", False))] * n_layers
-    window = _first(dc.get("swa_window_size"), raw.get("sliding_window"))
+        use_swa = dc.get("use_swa", False)
+        sliding = [check_bool(use_swa, "dflash_config.use_swa", source) if use_swa is not None else False] * n_layers
+    key, window = _first(("dflash_config.swa_window_size", dc.get("swa_window_size")),
+                         ("sliding_window", raw.get("sliding_window")))
     if any(sliding) and window is None:
         raise ConfigError(f"{source}: a layer slides but no window (dflash_config.swa_window_size, sliding_window)")
-    layer_window = [int(window) if s else None for s in sliding]
+    window = None if window is None else check_int(window, key, source, minimum=1)
+    layer_window = [window if s else None for s in sliding]
     layer_causal = _layer_causality(raw, dc, n_layers, layer_types, source)
-    rope_theta = _rope_theta(raw)
+    rope_theta = _rope_theta(raw, source)
     if arch == MUSE_ASSISTANT:
         layer_causal, layer_window, rope_theta = _muse_assistant_rules(raw, layer_window, source)
 
     v2: dict = {}
     if kind == "dflash2":
-        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if dc.get(key) is None:
-                raise ConfigError(f"{source}: dflash_config.{key} is required for DFlash2DraftModel")
-            v2[key] = int(dc[key])
-            if v2[key] < 1:
-                raise ConfigError(f"{source}: dflash_config.{key} = {v2[key]}, expected a positive integer")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if dc.get(name) is None:
+                raise ConfigError(f"{source}: dflash_config.{name} is required for DFlash2DraftModel")
+            v2[name] = check_int(dc[name], f"dflash_config.{name}", source, minimum=1)
         if H % v2["conv_group_size"]:
-            raise ConfigError(
+            raise ConfigValueError(
                 f"{source}: conv_group_size {v2['conv_group_size']} does not divide hidden_size {H}"
             )
-    cap = dc.get("final_logit_softcapping")
-    cap = float(cap) if cap is not None and float(cap) > 0 else None
+
+    def scalar(name: str, default: float | None) -> float | None:  # dflash_config.<name>, finite
+        value = dc.get(name)
+        return default if value is None else check_float(value, f"dflash_config.{name}", source)
+
+    cap = scalar("final_logit_softcapping", None)
+    cap = cap if cap is not None and cap > 0 else None  # <= 0 disables, as in the reference
 
     return DraftConfig(
         architecture=arch,
         kind=kind,
         hidden_size=H,
-        intermediate_size=int(_require(raw, "intermediate_size", source)),
+        intermediate_size=get_int(raw, "intermediate_size", source, minimum=1),
         num_hidden_layers=n_layers,
         num_attention_heads=nh,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or nh),
-        head_dim=int(raw.get("head_dim") or H // nh),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        block_size=int(block_size),
-        mask_token_id=int(mask_token_id),
-        target_layer_ids=[int(i) for i in tap_ids],
-        num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
+        num_key_value_heads=nkv,
+        head_dim=hd,
+        rms_norm_eps=get_float(raw, "rms_norm_eps", source, default=1e-6, positive=True),
+        rope_theta=_rope_theta(raw, source),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tap_ids,
+        num_target_layers=num_target_layers,
         layer_types=list(layer_types) if layer_types is not None else None,
-        sliding_window=int(window) if window is not None else None,
+        sliding_window=window,
         layer_causal=layer_causal,
         layer_window=layer_window,
-        vocab_size=int(raw["vocab_size"]) if raw.get("vocab_size") is not None else None,
-        input_embedding_scale=float(_first(dc.get("input_embedding_scale"), 1.0)),
-        output_multiplier=float(_first(dc.get("output_multiplier"), 1.0)),
+        vocab_size=get_int(raw, "vocab_size", source, default=None, minimum=1),
+        input_embedding_scale=scalar("input_embedding_scale", 1.0),
+        output_multiplier=scalar("output_multiplier", 1.0),
         final_logit_softcapping=cap,
         source=source,
         **v2,
@@ -376,7 +445,7 @@ def _muse_assistant_rules(raw: dict, layer_window: list, source: str):
             f"{source}: is_causal = {raw['is_causal']!r} for {MUSE_ASSISTANT}; expected absent or false "
             "(the assistant's block attention is always bidirectional)")
     has_theta = raw.get("rope_theta") is not None or (raw.get("rope_parameters") or {}).get("rope_theta") is not None
-    theta = _rope_theta(raw) if has_theta else MUSE_ASSISTANT_ROPE_THETA
+    theta = _rope_theta(raw, source) if has_theta else MUSE_ASSISTANT_ROPE_THETA
     return [False] * len(layer_window), [w + 1 if w else None for w in layer_window], theta
 
 

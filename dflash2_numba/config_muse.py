@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .config import ExpectedTensors, _eos_list, _refuse_rope_scaling, _require
+from .config import ExpectedTensors, _refuse_rope_scaling
+from .config_checks import check_float, get_float, get_int, head_geometry, token_ids
 from .errors import ConfigError, PairingError, UnsupportedConfigError
 
 MUSE_MODEL_TYPES = ("muse_glimmer", "muse_glimmer_text")
@@ -127,17 +128,16 @@ def resolve_muse_config(raw: dict, source: str = "config.json") -> MuseGlimmerCo
     _refuse_rope_scaling(text, where)
     nested = text.get("rope_parameters") or {}
     theta = text.get("rope_theta", nested.get("rope_theta"))
-    theta = None if theta is None else float(theta)
+    theta = None if theta is None else check_float(theta, "rope_parameters.rope_theta", where, positive=True)
 
-    L = int(_require(text, "num_hidden_layers", where))
-    H = int(_require(text, "hidden_size", where))
-    nh = int(_require(text, "num_attention_heads", where))
-    hd = int(text.get("head_dim") or H // nh)
+    L = get_int(text, "num_hidden_layers", where, minimum=1)
+    H = get_int(text, "hidden_size", where, minimum=1)
+    nh, nkv, hd = head_geometry(text, where, H)
     types, rope = _schedule(text, L, theta, where)
     if any(rope) and theta is None:
         raise ConfigError(f"{where}: rope_parameters.rope_theta is missing; refusing to assume the class "
                           "default 10000 (the release uses 500000)")
-    qk = float(text.get("qk_scale_factor", 3.87))
+    qk = get_float(text, "qk_scale_factor", where, default=3.87)
     if not 0 < qk < math.sqrt(hd):
         raise UnsupportedConfigError(
             f"{where}: qk_scale_factor = {qk}; expected 0 < value < sqrt(head_dim) = {math.sqrt(hd):.2f}. "
@@ -149,19 +149,21 @@ def resolve_muse_config(raw: dict, source: str = "config.json") -> MuseGlimmerCo
     cap = text.get("final_logit_softcapping", 20.0)
     return MuseGlimmerConfig(
         architecture=arch, model_type=model_type, hidden_size=H,
-        intermediate_size=int(_require(text, "intermediate_size", where)), num_hidden_layers=L,
-        num_attention_heads=nh, num_key_value_heads=int(text.get("num_key_value_heads") or nh), head_dim=hd,
-        vocab_size=int(_require(text, "vocab_size", where)),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)), post_norm_eps=float(text.get("post_norm_eps", 1e-8)),
+        intermediate_size=get_int(text, "intermediate_size", where, minimum=1), num_hidden_layers=L,
+        num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
+        vocab_size=get_int(text, "vocab_size", where, minimum=1),
+        rms_norm_eps=get_float(text, "rms_norm_eps", where, default=1e-5, positive=True),
+        post_norm_eps=get_float(text, "post_norm_eps", where, default=1e-8, positive=True),
         rope_theta=theta if theta is not None else 0.0, layer_types=types, layer_rope=rope,
         sliding_window=int(window), qk_scale_factor=qk,
-        output_multiplier=float(text.get("output_multiplier", 1.0)),
+        output_multiplier=get_float(text, "output_multiplier", where, default=1.0),
         final_logit_softcapping=float(cap) if cap is not None and float(cap) > 0 else None,
-        tie_word_embeddings=tie, max_position_embeddings=int(text.get("max_position_embeddings", 131072)),
+        tie_word_embeddings=tie,
+        max_position_embeddings=get_int(text, "max_position_embeddings", where, default=131072, minimum=1),
         weight_prefix=COMPOSITE_PREFIX if composite else "", head_in_file=composite,
         image_token_id=raw.get("image_token_id") if composite else None,
         video_token_id=raw.get("video_token_id") if composite else None,
-        eos_token_id=_eos_list(text.get("eos_token_id", raw.get("eos_token_id"))),
+        eos_token_id=token_ids(text.get("eos_token_id", raw.get("eos_token_id")), "eos_token_id", where),
         bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")), source=source,
     )
 

@@ -7,7 +7,7 @@ Hierarchy (catch `DFlashError` for "anything this package refused"):
         CheckpointNotFoundError        missing directory or file          (also a FileNotFoundError)
         GGUFNotSupportedError          a .gguf file was given
         CorruptHeaderError             truncated / unparsable safetensors header
-        DataOffsetError                tensor data offsets outside the file
+        DataOffsetError                tensor data offsets outside the payload, or not tiling it exactly
         UnknownDTypeError              dtype we do not read
         MissingTensorsError            required tensors absent (lists them)
         UnexpectedTensorsError         tensors we do not know (lists them)
@@ -18,10 +18,16 @@ Hierarchy (catch `DFlashError` for "anything this package refused"):
         IsCausalTypeError              is_causal that is not a JSON bool
         UnsupportedConfigError         a feature we would silently get wrong (rope_scaling, biases, ...)
         PairingError                   draft and target disagree (names both values)
+        ConfigValueError               a config value of the wrong JSON type or out of range (key, expected, actual)
+        ChatTemplateError              a chat template that does not compile, or raises while rendering
       SelectorRefusedError             DFlash2 selector cannot run faithfully (raised at the selector)
       ChatTemplateMissingError         --chat on a model without a chat template
       DeviceUnavailableError           --device cuda with no CUDA device
       GenerationArgumentError          bad sampling / length arguments
+        ContextLengthError             prompt / budget that cannot fit (numbers in the message), before allocating
+      OutputPathError                  --json PATH that cannot be written (checked before decoding)
+      NonFiniteLogitsError             a NaN / Inf logits row (names the step and the position)
+      KernelCacheError                 an unreadable file in numba's cache directory (names it)
       KernelArgumentError              kernel called with shapes / sizes it cannot honour  (also a ValueError)
       KernelDTypeError                 kernel called with a dtype mix it does not implement (also a TypeError)
 """
@@ -93,6 +99,14 @@ class PairingError(ConfigError):
     pass
 
 
+class ConfigValueError(ConfigError):
+    """A config value of the wrong JSON type or outside its range (names file, key, expected, actual)."""
+
+
+class ChatTemplateError(ConfigError):
+    pass
+
+
 # ---------------------------------------------------------------- run time
 class SelectorRefusedError(DFlashError):
     pass
@@ -107,6 +121,22 @@ class DeviceUnavailableError(DFlashError):
 
 
 class GenerationArgumentError(DFlashError, ValueError):
+    pass
+
+
+class ContextLengthError(GenerationArgumentError):
+    """The prompt or prompt + budget exceeds what the model / this process can hold."""
+
+
+class OutputPathError(DFlashError):
+    pass
+
+
+class NonFiniteLogitsError(DFlashError):
+    """A logits row holds NaN / Inf: the model computed garbage (NaN / Inf weights, overflow)."""
+
+
+class KernelCacheError(DFlashError):
     pass
 
 

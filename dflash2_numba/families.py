@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
+from .config_checks import architecture_of
 from .config_muse import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, expected_muse_tensors,
                           resolve_muse_config)
 from .errors import UnknownArchitectureError
@@ -72,6 +73,7 @@ FAMILIES: list[TargetFamily] = [
 
 
 def target_family(raw: dict, source: str = "config.json") -> TargetFamily:
+    architecture_of(raw, source)  # ConfigValueError for an `architectures` that is not a list of strings
     for family in FAMILIES:
         if family.matches(raw):
             return family

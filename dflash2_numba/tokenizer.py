@@ -24,7 +24,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .errors import ChatTemplateMissingError, CheckpointNotFoundError, ConfigError
+from .errors import ChatTemplateError, ChatTemplateMissingError, CheckpointNotFoundError, ConfigError
 
 
 def _read_json(path: Path) -> dict | None:
@@ -35,6 +35,8 @@ def _read_json(path: Path) -> dict | None:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError as e:
+        raise ConfigError(f"{path}: JSON nested too deeply to parse (corrupt)") from e
     if not isinstance(obj, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -102,8 +104,10 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: _HFTokenizer, *, model_dir: Path | None = None,
                  chat_template: str | None = None, bos_token: str | None = None,
                  eos_token: str | None = None, add_bos_token: bool = False,
-                 generation_eos_ids: Sequence[int] = (), config_eos_ids: Sequence[int] = ()):
+                 generation_eos_ids: Sequence[int] = (), config_eos_ids: Sequence[int] = (),
+                 chat_template_source: str | None = None):
         self.hf = hf_tokenizer
+        self.chat_template_source = chat_template_source  # the file it came from (for errors)
         self.model_dir = model_dir
         self.chat_template = chat_template
         self.bos_token = bos_token
@@ -129,8 +133,11 @@ class Tokenizer:
         tok_config = _read_json(tc_path) or {}
         # chat_template.jinja (what recent transformers save) wins over the JSON entry
         jinja_path = model_dir / "chat_template.jinja"
-        template = (jinja_path.read_text(encoding="utf-8") if jinja_path.is_file()
-                    else _pick_template(tok_config.get("chat_template"), tc_path))
+        try:
+            template = (jinja_path.read_text(encoding="utf-8") if jinja_path.is_file()
+                        else _pick_template(tok_config.get("chat_template"), tc_path))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{jinja_path}: cannot read the chat template ({e})") from e
         gen_path, cfg_path = model_dir / "generation_config.json", model_dir / "config.json"
         return cls(
             hf, model_dir=model_dir, chat_template=template,
@@ -139,6 +146,8 @@ class Tokenizer:
             add_bos_token=bool(tok_config.get("add_bos_token", False)),
             generation_eos_ids=_eos_ids(_read_json(gen_path), gen_path),
             config_eos_ids=_eos_ids(_read_json(cfg_path), cfg_path),
+            chat_template_source=(f"{jinja_path}" if jinja_path.is_file()
+                                  else f"{tc_path}: chat_template"),
         )
 
     # ---- ids <-> text
@@ -189,12 +198,21 @@ class Tokenizer:
                 "run without --chat or add a template")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        where = self.chat_template_source or "chat_template"
         if self._template is None:
-            self._template = compile_chat_template(self.chat_template)
+            try:
+                self._template = compile_chat_template(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ChatTemplateError(f"{where}: the chat template does not compile: {e.message} "
+                                        f"(template line {e.lineno})") from e
         context = dict(messages=messages, add_generation_prompt=add_generation_prompt,
                        enable_thinking=enable_thinking, bos_token=self.bos_token or "",
                        eos_token=self.eos_token or "")
-        return self._template.render(**{**context, **kwargs})  # e.g. tools=..., documents=...
+        try:
+            return self._template.render(**{**context, **kwargs})  # e.g. tools=..., documents=...
+        except Exception as e:  # the template is the model's code: raise_exception(...), 1/0, ...
+            raise ChatTemplateError(f"{where}: the chat template failed while rendering: "
+                                    f"{type(e).__name__}: {e}") from e
 
     def encode_prompt(self, prompt: str | list[dict], chat: bool = False,
                       enable_thinking: bool = False) -> list[int]:

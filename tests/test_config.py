@@ -401,7 +401,7 @@ def test_pairing_accepts_matching_pair():
         ({"hidden_size": 128, "head_dim": 32}, {}, ["draft hidden_size 64", "target hidden_size 128"]),
         ({"num_hidden_layers": 33}, {}, ["[33]", "33 layers"]),
         ({"vocab_size": 999}, {}, ["mask_token_id 999", "vocab_size 999"]),
-        ({}, {"mask_token_id": -1}, ["mask_token_id -1", "vocab_size 1000"]),
+        ({}, {"mask_token_id": 1000}, ["mask_token_id 1000", "vocab_size 1000"]),  # -1: ConfigValueError at resolve
     ],
 )
 def test_pairing_refusals_name_both_values(target_over, draft_over, needles):

@@ -50,14 +50,14 @@ CASES = {
 }
 
 
-def build_hf_model(directory, arch, tied, nkv, dtype, shard, seed):
-    """Write a tiny random model with transformers' own save_pretrained."""
+def build_hf_model(directory, arch, tied, nkv, dtype, shard, seed, extra=None):
+    """Write a tiny random model with transformers' own save_pretrained (`extra`: more config keys)."""
     Config, Model = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
     cfg = Config(
         vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=nkv, head_dim=16, tie_word_embeddings=tied,
         max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **(extra or {}),
     )
     model = Model(cfg)
     rng = np.random.default_rng(seed)

@@ -4,12 +4,11 @@ missing files, and streaming detokenisation that never emits half a character.""
 import json
 from pathlib import Path
 
-import jinja2
 import numpy as np
 import pytest
 
 from dflash2_numba import tiny
-from dflash2_numba.errors import ChatTemplateMissingError, CheckpointNotFoundError, ConfigError
+from dflash2_numba.errors import ChatTemplateError, ChatTemplateMissingError, CheckpointNotFoundError, ConfigError
 from dflash2_numba.tokenizer import StreamDecoder, Tokenizer
 
 # characters absent from the training corpus, so byte-level BPE splits them into byte tokens
@@ -135,7 +134,7 @@ def test_chat_template_with_and_without_thinking(qwen_dir):
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == (
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
         "<|im_start|>assistant\nA<|im_end|>\n")
-    with pytest.raises(jinja2.TemplateError, match="Unknown role: robot"):  # raise_exception
+    with pytest.raises(ChatTemplateError, match="Unknown role: robot"):  # raise_exception, named
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
 
 

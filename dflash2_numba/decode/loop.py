@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..errors import GenerationArgumentError
+from ..errors import ContextLengthError, GenerationArgumentError, NonFiniteLogitsError, SelectorRefusedError
 from .drafter import valid_vocab
 from .sampling import (SamplingParams, greedy_token, mask_padded, sample_token, target_probs,
                        verify_block)
@@ -88,6 +88,47 @@ def resolve_prompt_ids(target, prompt, prompt_ids, chat: bool) -> list[int]:
     return ids
 
 
+def check_context(target, n_prompt: int, max_new: int) -> None:
+    """Refuse, before anything is allocated, what cannot fit the target's positions: the prompt
+    alone, or the prompt plus the whole budget (the KV cache is sized for both up front)."""
+    cfg = getattr(target, "config", None)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit is None:
+        return
+    where = getattr(cfg, "source", "config.json")
+    if n_prompt > limit:
+        raise ContextLengthError(f"the prompt has {n_prompt} tokens, more than the target's "
+                                 f"max_position_embeddings = {limit} ({where})")
+    if n_prompt + max_new > limit:
+        raise ContextLengthError(
+            f"prompt {n_prompt} tokens + max_new_tokens {max_new} = {n_prompt + max_new} positions exceed the "
+            f"target's max_position_embeddings = {limit} ({where}); max_new_tokens can be at most {limit - n_prompt}")
+
+
+def check_stop_ids(target, stop_token_ids) -> list[int]:
+    """--stop-token ids must be token ids of the target's vocabulary (a -1 would never match)."""
+    V = _vocab_size(target)
+    ids = list(stop_token_ids)
+    bad = [i for i in ids if isinstance(i, bool) or int(i) != i or not 0 <= i < V]
+    if bad:
+        raise GenerationArgumentError(
+            f"stop_token_ids (--stop-token) {bad[:5]} are outside the target vocabulary 0..{V - 1}")
+    return [int(i) for i in ids]
+
+
+def check_finite(logits: np.ndarray, what: str, first_position: int) -> None:
+    """A NaN / Inf logits row (NaN / Inf weights, a zero norm without eps, an overflow) would be
+    masked to -inf and decode as token 0: refuse it at the step where it appears."""
+    finite = np.isfinite(logits).all(axis=-1)  # [rows]
+    if not finite.all():
+        i = int(np.argmin(finite))
+        row = logits[i]
+        raise NonFiniteLogitsError(
+            f"{what}: logits row {i} (position {first_position + i}) holds {int(np.isnan(row).sum())} NaN and "
+            f"{int(np.isinf(row).sum())} Inf of {row.shape[-1]} values: the model computed garbage "
+            "(NaN / Inf weights or an overflow); nothing is emitted from it")
+
+
 def _pick(row: np.ndarray, sampling: SamplingParams, rng) -> int:
     """Next token from one masked logits row [V] (the prefill token / a plain AR step)."""
     if sampling.greedy:
@@ -118,7 +159,19 @@ def stream_generate(target, draft, prompt: str | None = None, *, max_new_tokens:
         raise GenerationArgumentError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     Q = 1 if draft is None else runtime_block_size(draft, block_size)
     ids = resolve_prompt_ids(target, prompt, prompt_ids, chat)
+    stop_token_ids = check_stop_ids(target, stop_token_ids)
+    check_context(target, len(ids), int(max_new_tokens))
+    if max_new_tokens >= 2:  # a draft step is scheduled: refuse now if it is certain to refuse
+        _refuse_certain(draft)
     return _run(target, draft, ids, int(max_new_tokens), Q, sampling, stop_token_ids)
+
+
+def _refuse_certain(draft) -> None:
+    """A drafter that knows at load time that every proposal will be refused (a DFlash2 draft
+    whose selector cannot run faithfully) is refused before the prefill token is emitted."""
+    reason = getattr(draft, "refusal_reason", None)
+    if reason:
+        raise SelectorRefusedError(reason)
 
 
 def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: SamplingParams,
@@ -160,6 +213,7 @@ def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: S
     cache = target.new_cache(max_len)
     logits, taps = target.forward(np.asarray(ids, np.int64), cache, tap_layers=tap_layers,
                                   last_only=True)  # [1, V] (only the last row is sampled)
+    check_finite(logits, "prefill", n - 1)
     first = _pick(mask_padded(logits[-1], vv), sampling, rng)
     stats.prefill_s = time.perf_counter() - t0
     step = commit([first], 0)
@@ -188,10 +242,13 @@ def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: S
                                    f"for a {Q}-row block (expected {Q - 1})")
             drafts = drafts[:Bv - 1]  # [Bv-1]
             q = None if q is None else q[:Bv - 1]  # [Bv-1, V]
+            if q is not None:
+                check_finite(q, f"step {stats.steps + 1}: draft proposal distribution", start + 1)
         t1 = time.perf_counter()
 
         block = np.concatenate([[ids[start]], drafts]).astype(np.int64)  # [Bv]
         logits, taps = target.forward(block, cache, tap_layers=tap_layers)  # [Bv, V], [Bv, T*H]
+        check_finite(logits, f"step {stats.steps + 1}: verify", start)
         a, x = verify_block(mask_padded(logits, vv), drafts, q, sampling, rng)
         cache.commit(start + a + 1)  # keep the anchor and the a accepted drafts (any layer kind)
         if draft is not None and taps is not None:
@@ -232,10 +289,13 @@ def propose_once(target, draft, prompt: str | None = None, *, block_size: int | 
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     Q = runtime_block_size(draft, block_size)
     ids = resolve_prompt_ids(target, prompt, prompt_ids, chat)
+    check_context(target, len(ids), 1)
+    _refuse_certain(draft)
     n, rng = len(ids), sampling.rng()
     cache = target.new_cache(n + Q)
     logits, taps = target.forward(np.asarray(ids, np.int64), cache,
                                   tap_layers=tuple(draft.target_layer_ids), last_only=True)  # [1, V]
+    check_finite(logits, "prefill", n - 1)
     anchor = _pick(mask_padded(logits[-1], valid_vocab(target)), sampling, rng)
     state = draft.new_state(n + Q)
     draft.extend_context(state, taps, 0, np.asarray(ids, np.int64))

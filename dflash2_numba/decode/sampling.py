@@ -24,6 +24,13 @@ import numpy as np
 from ..errors import GenerationArgumentError
 
 
+# A policy, not a limit of the math: below 1e-5 a draw is the argmax for any logit gap above
+# ~1e-3 (exp(-100)), above 1e5 it is within ~0.1% of uniform for logits spread over < 100. Both
+# are far outside any sampling setting in use, so a value there is refused as a likely typo
+# rather than computed (1e-320 used to overflow logits / T into NaN and sample a padding id).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax, ties -> lowest id)
@@ -35,6 +42,10 @@ class SamplingParams:
         t, k, p = self.temperature, self.top_k, self.top_p
         if not (np.isfinite(t) and t >= 0):
             raise GenerationArgumentError(f"temperature must be a finite number >= 0, got {t!r}")
+        if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+            raise GenerationArgumentError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {t!r}: "
+                "outside that range the distribution is numerically greedy or uniform (use 0 for greedy)")
         if int(k) != k or k < 0:
             raise GenerationArgumentError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
         if not (0.0 < p <= 1.0):
@@ -77,6 +88,7 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.zeros(V, np.float64)  # [V]
         p[greedy_token(logits)] = 1.0
         return p
+    # float32 logits (|z| < 3.5e38) over T >= MIN_TEMPERATURE stay far below float64's overflow
     z = logits.astype(np.float64) / params.temperature  # [V]
     if 0 < params.top_k < V:
         kth = np.partition(z, V - params.top_k)[V - params.top_k]  # k-th largest value

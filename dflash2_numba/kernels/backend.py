@@ -30,6 +30,7 @@ from ..numerics import as_f32
 from ..models import layers
 from . import gdn, rowwise
 from .attention import attention, attention_reference
+from .cache_check import check_kernel_cache
 from .linear import linear, linear_reference
 
 DEVICES = ("cpu", "numpy", "cuda")
@@ -61,6 +62,7 @@ def _conv_kernels():
 
 def get_ops(device: str = "cpu") -> Ops:
     if device == "cpu":
+        check_kernel_cache()  # a corrupt numba cache file: a named error, not a traceback mid-run
         conv, _ = _conv_kernels()
         return Ops("cpu", linear, attention, conv, _keep, rowwise.rms_norm, rowwise.apply_rope)
     if device == "numpy":

@@ -21,6 +21,8 @@ A selector that cannot run faithfully (tensors absent, selector_top_k > vocab, c
 target vocab, quantized tensors) does not stop the load: a NOTICE goes to stderr naming the
 boundary, the block forward still runs (conv included), and `propose` raises
 SelectorRefusedError there, before anything is sampled. Never a silent argmax fallback.
+Since that refusal is certain at load time, `refusal_reason` exposes it and the decode loop
+refuses a run before its prefill token is emitted (the notice still goes out at load).
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class DFlash2Draft(DFlashDraft):
         self.selector_notice = getattr(self.selector, "notice", None)
         if self.selector_notice:
             print(self.selector_notice, file=sys.stderr)
+
+    @property
+    def refusal_reason(self) -> str | None:
+        """Why every proposal will be refused (the selector cannot run faithfully), known at
+        load time; the decode loop refuses a run with it before anything is emitted."""
+        return getattr(self.selector, "reason", None) if isinstance(self.selector, RefusedSelector) else None
 
     def _validate_inventory(self) -> None:
         # Selector tensors are tolerated, not required, and their shapes are not checked here:

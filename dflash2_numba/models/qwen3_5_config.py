@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import ExpectedTensors, _eos_list, _require, _rope_theta, human_bytes
+from ..config import ExpectedTensors, _rope_theta, human_bytes
+from ..config_checks import check_float, get_float, get_int, head_geometry, token_ids
 from ..errors import ConfigError, UnknownArchitectureError, UnsupportedConfigError
 
 MULTIMODAL, TEXT = "qwen3_5", "qwen3_5_text"
@@ -130,7 +131,8 @@ def _rope(text: dict, source: str) -> tuple[float, float]:
         raise UnsupportedConfigError(f"{source}: rope_parameters.rope_type = {kind!r} is not supported "
                                      "(only 'default' RoPE)")
     factor = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))  # HF default 0.25
-    return _rope_theta({**text, "rope_parameters": params}), float(factor)
+    return _rope_theta({**text, "rope_parameters": params}, source), check_float(
+        factor, "rope_parameters.partial_rotary_factor", source, positive=True)
 
 
 def resolve_qwen3_5_config(raw: dict, source: str = "config.json") -> Qwen3_5Config:
@@ -156,24 +158,25 @@ def resolve_qwen3_5_config(raw: dict, source: str = "config.json") -> Qwen3_5Con
         raise UnsupportedConfigError(f"{where}: attention_bias = true is not supported (no bias path)")
     if text.get("hidden_act", "silu") != "silu":
         raise UnsupportedConfigError(f"{where}: hidden_act = {text['hidden_act']!r}; only 'silu'")
-    H = int(_require(text, "hidden_size", where))
-    nh = int(_require(text, "num_attention_heads", where))
-    L = int(_require(text, "num_hidden_layers", where))
+    H = get_int(text, "hidden_size", where, minimum=1)
+    nh, nkv, hd = head_geometry(text, where, H)
+    L = get_int(text, "num_hidden_layers", where, minimum=1)
     theta, factor = _rope(text, where)
     cfg = Qwen3_5Config(
         architecture=ARCHITECTURES[mt], model_type=mt, hidden_size=H,
-        intermediate_size=int(_require(text, "intermediate_size", where)), num_hidden_layers=L,
-        num_attention_heads=nh, num_key_value_heads=int(text.get("num_key_value_heads") or nh),
-        head_dim=int(text.get("head_dim") or H // nh), vocab_size=int(_require(text, "vocab_size", where)),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=theta, partial_rotary_factor=factor,
-        tie_word_embeddings=tied, max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        intermediate_size=get_int(text, "intermediate_size", where, minimum=1), num_hidden_layers=L,
+        num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
+        vocab_size=get_int(text, "vocab_size", where, minimum=1),
+        rms_norm_eps=get_float(text, "rms_norm_eps", where, default=1e-6, positive=True),
+        rope_theta=theta, partial_rotary_factor=factor, tie_word_embeddings=tied,
+        max_position_embeddings=get_int(text, "max_position_embeddings", where, default=32768, minimum=1),
         layer_types=_layer_types(text, L, where),
-        linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
-        linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
-        linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
-        eos_token_id=_eos_list(text.get("eos_token_id", raw.get("eos_token_id"))),
+        linear_conv_kernel_dim=get_int(text, "linear_conv_kernel_dim", where, default=4, minimum=1),
+        linear_key_head_dim=get_int(text, "linear_key_head_dim", where, default=128, minimum=1),
+        linear_value_head_dim=get_int(text, "linear_value_head_dim", where, default=128, minimum=1),
+        linear_num_key_heads=get_int(text, "linear_num_key_heads", where, default=16, minimum=1),
+        linear_num_value_heads=get_int(text, "linear_num_value_heads", where, default=32, minimum=1),
+        eos_token_id=token_ids(text.get("eos_token_id", raw.get("eos_token_id")), "eos_token_id", where),
         bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")), source=source,
     )
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:

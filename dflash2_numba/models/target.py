@@ -11,6 +11,11 @@ residual stream after each layer in `tap_layers` (HF `hidden_states[l+1]`), conc
 
 Layer (pre-norm): h += o_proj(attn(rms(h))); h += down(silu(gate(m)) * up(m)), m = rms(h).
 Qwen3 applies q_norm / k_norm per head before RoPE; Llama has neither.
+
+Sliding-window layers (Qwen3 `use_sliding_window` / `layer_types`, resolved in config.py as
+transformers does): query t sees key s iff 0 <= t - s < W, i.e. the attention kernel's
+`causal=True, window=W`. The cache keeps every position (commit stays a length change); the
+window only masks.
 """
 
 from __future__ import annotations
@@ -97,6 +102,8 @@ class TargetModel:
             self.lm_head_w = w(self.embed_table)  # [V, H]
         else:
             self.lm_head_w = w(get("lm_head.weight"))  # [V, H]
+        # per layer: 0 = full causal attention, W = causal sliding window of W positions
+        self.layer_windows = [int(w or 0) for w in (c.layer_window or (None,) * c.num_hidden_layers)]
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -202,7 +209,8 @@ class TargetModel:
         cache.k[i, :, start:end] = k.transpose(1, 0, 2)  # [nkv, n, hd]
         cache.v[i, :, start:end] = v.transpose(1, 0, 2)
         # keys = rows 0..end-1 (= k_pos) of the layer's whole [nkv, max_len, hd] buffer
-        o = self.ops.attention(q, cache.k[i], cache.v[i], q_pos, k_pos, True, 0, bf16)  # [n, nh, hd]
+        o = self.ops.attention(q, cache.k[i], cache.v[i], q_pos, k_pos, True, self.layer_windows[i],
+                               bf16)  # [n, nh, hd]
         o = rnd_if(o, bf16).reshape(n, nh * hd)  # [n, nh*hd]
         h = rnd_if(h + rnd_if(linear(o, layer["o"]), bf16), bf16)  # [n, H]
 
