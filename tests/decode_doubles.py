@@ -14,12 +14,14 @@ skipped or duplicated positions, the anchor's taps passed early).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 
 from dflash2_numba.decode.drafter import Proposal, valid_vocab
 from dflash2_numba.decode.sampling import mask_padded
+from dflash2_numba.kernels.backend import get_ops
 
 _MOD = (1 << 61) - 1
 
@@ -189,3 +191,22 @@ class SelectorDrafter(RandomDrafter):  # inherits only the context bookkeeping
         positions = np.arange(anchor_pos + 1, anchor_pos + 1 + k)
         ids, q, info = self.selector.select(h, z, int(anchor_id), positions, sampling, rng)
         return Proposal(ids, q, info)
+
+
+def rowwise_ops():
+    """The CPU kernels with GEMV and attention called one row at a time. The production GEMV
+    shares weight loads across groups of 8/4/1 rows, and its FMA contraction differs by an ulp
+    between groups, so a block and a prefill computing the same row can differ by ~2e-6 of the
+    logits; one-row calls make every row's arithmetic independent of the block it is in, so a
+    correct rollback must reproduce a fresh run BIT FOR BIT (and a wrong one cannot hide in
+    rounding noise)."""
+    ops = get_ops("cpu")
+
+    def linear(x, w, out=None):
+        return np.concatenate([ops.linear(x[i:i + 1], w) for i in range(x.shape[0])])  # [n, N]
+
+    def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16=False):
+        return np.concatenate([ops.attention(q[i:i + 1], k, v, q_pos[i:i + 1], k_pos[:q_pos[i] + 1], causal,
+                                             window, bf16) for i in range(q.shape[0])])  # [n, nh, hd]
+
+    return replace(ops, linear=linear, attention=attention)

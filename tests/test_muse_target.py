@@ -21,6 +21,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import dflash2_numba as dn
+from decode_doubles import rowwise_ops
 from dflash2_numba import tiny
 from dflash2_numba.config_muse import resolve_muse_config
 from dflash2_numba.errors import ConfigError, MissingTensorsError, UnsupportedConfigError
@@ -122,17 +123,20 @@ def test_greedy_64_matches_hf(dirs, case):
     assert ours.finish_reason == "length" and ours.output_ids == ref
 
 
-ROLLBACK_TOL = 2e-5
+ROLLBACK_TOL = 1e-6  # the issue's bound; measured 0 (bit-identical) with one-row kernels
 
 
 @pytest.mark.parametrize("a", range(8))
 def test_commit_after_a_accepted_rows_equals_a_fresh_run(dirs, a):
     """Q = 8 > W = 3 (stress): verify a block whose first a drafts are the target's greedy tokens
     and the rest wrong, commit the anchor + a rows, then the next token's logits equal a fresh
-    run on the committed prefix, and the greedy token is the same. Tolerance ROLLBACK_TOL of
-    max|logit|: the fresh run batches rows differently (GEMV row groups; numpy's BLAS differs the
-    same way), measured 2-5e-6; keeping one rejected row or none moves them by > 1e-2."""
-    target, Q = MuseGlimmerTarget.load(dirs["stress"]), 8
+    run on the committed prefix, and the greedy token is the same. The target runs on one-row
+    GEMV / attention calls (decode_doubles.rowwise_ops), so a row's arithmetic does not depend on
+    the block it is computed in and a correct rollback reproduces the fresh run to 1e-6 (the
+    production GEMV's row groups alone differ by 2-5e-6); keeping one rejected row or none moves
+    the logits by > 1e-2."""
+    t = MuseGlimmerTarget.load(dirs["stress"])
+    target, Q = MuseGlimmerTarget(t.config, t.checkpoint, rowwise_ops()), 8
     ids = prompt(10, seed=7)
     greedy = dn.generate(target, None, prompt_ids=ids, max_new_tokens=Q + 2).output_ids  # anchor, g1..g9
     cache = target.new_cache(4)

@@ -10,7 +10,6 @@ committed prefix (recurrent + conv state, and the next logits, <= 1e-6 relative 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,13 +18,13 @@ import dflash2_numba as dn
 from dflash2_numba import tiny
 from dflash2_numba.checkpoint import open_checkpoint
 from dflash2_numba.decode.drafter import OracleDrafter
-from dflash2_numba.kernels.backend import get_ops
 from dflash2_numba.decode.sampling import SamplingParams
 from dflash2_numba.models.draft import load_draft
 from dflash2_numba.models.hybrid_cache import REPLAY_ROWS
 from dflash2_numba.models.qwen3_5 import Qwen3_5Model
 from dflash2_numba.models.qwen3_5_config import resolve_qwen3_5_config
 
+from decode_doubles import rowwise_ops
 from draft_reference import check_greedy_equals_target_only
 from qwen3_5_fixtures import V, build_hf_qwen3_5
 from test_sampling import exact_sequence_probs, gof_pvalue
@@ -83,23 +82,6 @@ def rel_diff(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1e-30))
 
 
-def rowwise_ops():
-    """The CPU kernels with GEMV and attention called one row at a time. The production GEMV
-    shares weight loads across groups of 8/4/1 rows, and its FMA contraction differs by an ulp
-    between groups, so a block and a prefill computing the same row can differ by ~2e-6 of the
-    logits; one-row calls make every row's arithmetic independent of the block it is in, so a
-    correct rollback must reproduce a fresh run BIT FOR BIT (and a wrong one cannot hide in
-    rounding noise)."""
-    ops = get_ops("cpu")
-
-    def linear(x, w, out=None):
-        return np.concatenate([ops.linear(x[i:i + 1], w) for i in range(x.shape[0])])  # [n, N]
-
-    def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16=False):
-        return np.concatenate([ops.attention(q[i:i + 1], k, v, q_pos[i:i + 1], k_pos[:q_pos[i] + 1], causal,
-                                             window, bf16) for i in range(q.shape[0])])  # [n, nh, hd]
-
-    return replace(ops, linear=linear, attention=attention)
 
 
 @pytest.mark.parametrize("Q", [5, 16])
