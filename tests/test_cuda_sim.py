@@ -252,6 +252,70 @@ def test_linear_matches_reference(wdtype):
         assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-7), f"M={M} threads={threads}"
 
 
+# ------------------------------------------------------------------ simulator shared memory
+@pytest.fixture
+def racy_shared_allocation(monkeypatch):
+    """Widen the window in which the simulator creates a block's shared array: allocation
+    sleeps (handing the GIL to the block's other threads) and returns NaN-poisoned memory, so
+    a thread that got a private copy instead of the block's array reads NaN, not stale values
+    that happen to be right. Before cuda_common serialised the allocation, every kernel below
+    failed here in a large share of launches (and the decode tests now and then)."""
+    import time
+
+    real_empty = np.empty
+
+    def slow_poisoned_empty(shape, dtype=float, *args, **kwargs):
+        time.sleep(2e-3)
+        a = real_empty(shape, dtype, *args, **kwargs)
+        if np.issubdtype(a.dtype, np.floating):
+            a.fill(np.nan)
+        return a
+
+    monkeypatch.setattr(np, "empty", slow_poisoned_empty)
+
+
+def test_shared_arrays_are_one_per_block_under_racy_allocation(racy_shared_allocation):
+    """Every thread of a block sees the other threads' writes to a shared array (the property
+    the reductions in cuda_linear / cuda_attention rely on), launch after launch."""
+    from numba import float32
+
+    nt = 4
+
+    @cuda.jit
+    def neighbour(out):
+        tid = cuda.threadIdx.x
+        buf = cuda.shared.array(nt, float32)
+        buf[tid] = float32(tid)
+        cuda.syncthreads()
+        out[tid] = buf[(tid + 1) % nt]
+
+    for _ in range(10):
+        out = np.full(nt, -1.0, dtype=np.float32)
+        neighbour[1, nt](out)
+        assert out.tolist() == [1.0, 2.0, 3.0, 0.0]
+
+
+def test_reduction_kernels_are_deterministic_under_racy_allocation(racy_shared_allocation):
+    """linear and attention give bit-identical results launch after launch (and agree with the
+    CPU) while the shared-array allocation is slow and poisoned."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    w = rng.standard_normal((4, 16)).astype(np.float32)
+    q, k, v = _qkv(rng, 2, 2, 1, 8, 5)
+    q_pos, k_pos = np.array([3, 4]), np.arange(5)
+    want_y = linear_reference(x, w)
+    want_a = attention(q, k, v, q_pos, k_pos, True, 0)
+    first_y = first_a = None
+    for _ in range(5):
+        y = linear_cuda(x, w, threads=4)
+        a = attention_cuda(q, k, v, q_pos, k_pos, True, 0, threads=4)
+        np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, want_a, rtol=1e-5, atol=1e-6)
+        if first_y is None:
+            first_y, first_a = y, a
+        assert np.array_equal(_bits(y), _bits(first_y)) and np.array_equal(_bits(a), _bits(first_a))
+
+
 # ------------------------------------------------------------------ the Ops object
 def test_get_ops_cuda_has_the_cpu_methods():
     cpu, gpu = get_ops("cpu"), get_ops("cuda")

@@ -7,6 +7,8 @@ shrink there: the kernels use grid-stride / block-stride loops, so the same code
 any grid and block size — only the speed changes.
 """
 
+import sys
+import threading
 import warnings
 
 import numpy as np
@@ -30,6 +32,49 @@ REDUCE_THREADS = 2 if SIMULATOR else 128
 ELEMENT_THREADS = 32 if SIMULATOR else 256
 # Upper bound on blocks of a grid-stride launch (the simulator walks blocks one by one).
 MAX_BLOCKS = 2 if SIMULATOR else 65535
+
+
+def _make_simulator_shared_arrays_thread_safe() -> None:
+    """Make the simulator's `cuda.shared.array` give every thread of a block the SAME array.
+
+    The simulator keys a block's static shared arrays by the calling (file, line) and creates
+    one on first use with an unlocked check-then-insert (`get`, `np.empty`, store). Its CUDA
+    threads are Python threads, so two threads of the first block of a launch can both miss and
+    each keep a private array: a tree reduction then adds a slot the other thread never wrote
+    (stale memory from an earlier launch). That made the simulator decode tests fail now and
+    then (a wrong token), more often with the tests' short GIL switch interval or under CPU
+    load. The kernels themselves are fenced correctly; the allocation is not. Same keying,
+    same dynamic-shared-memory path, with the lookup-and-create under one lock."""
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    shared_cls = kernelapi.FakeCUDAShared
+    if getattr(shared_cls, "_dflash2_thread_safe", False):
+        return
+    original = shared_cls.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype):  # the simulator's signature
+        if shape == 0:  # dynamic shared memory: one buffer made up front, no race there
+            return original(self, shape, dtype)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = sys._getframe(1)  # the kernel line: the key the simulator uses
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            res = self._allocations.get(key)
+            if res is None:
+                res = np.empty(shape, dtype)
+                self._allocations[key] = res
+        return res
+
+    shared_cls.array = array
+    shared_cls._dflash2_thread_safe = True
+
+
+if SIMULATOR:
+    _make_simulator_shared_arrays_thread_safe()
 
 
 def is_device_array(a) -> bool:
