@@ -1,4 +1,4 @@
-"""One-command GPU acceptance check (DESIGN §4.2, §6, §8): CUDA kernels vs the CPU kernels.
+"""One-command GPU acceptance check (spec §4.2, §6, §8): CUDA kernels vs the CPU kernels.
 
     python bench/gpu_check.py            # on a CUDA machine (one H200: well under 5 minutes)
     python bench/gpu_check.py --small    # tiny shapes on numba's CUDA simulator (no GPU needed)

@@ -1,4 +1,4 @@
-"""The public entry points (DESIGN §9): load a (target, draft) pair, then stream.
+"""The public entry points (spec §9): load a (target, draft) pair, then stream.
 
     target = load_target("models/Qwen3-8B")                 # TargetModel + target.tokenizer
     draft  = load_draft("models/Qwen3-8B-DFlash-b16", target) # v1 or v2, decided by config.json

@@ -1,4 +1,4 @@
-"""Zero-copy memory-mapped safetensors: single file and sharded (DESIGN §2.1, §6).
+"""Zero-copy memory-mapped safetensors: single file and sharded (spec §2.1, §6).
 
 A safetensors file is: 8-byte little-endian header length N, N bytes of JSON
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the

@@ -1,4 +1,4 @@
-"""`dflash2-decode`: a thin click shell over the public API (DESIGN §9).
+"""`dflash2-decode`: a thin click shell over the public API (spec §9).
 
     dflash2-decode generate [--target DIR] [--draft DIR] (--prompt T | --prompt-file P | --prompt-ids 1,2)
     dflash2-decode propose  [--target DIR] [--draft DIR] (prompt options) [--block-size Q] [--json PATH|-]

@@ -1,4 +1,4 @@
-"""Checks of the CLI's own values (DESIGN §9): everything here runs BEFORE a model is loaded or a
+"""Checks of the CLI's own values (spec §9): everything here runs BEFORE a model is loaded or a
 token is decoded, so a bad value never leaves half a result on stdout.
 
     parse_prompt_ids("1,2,3") -> [1, 2, 3]        "1,,2" / "1,a" / "" -> GenerationArgumentError

@@ -1,4 +1,4 @@
-"""Config resolution for targets and drafts (DESIGN §2).
+"""Config resolution for targets and drafts (spec §2).
 
 Field names follow the Hugging Face keys. Every refusal names the file, the key, the expected
 and the actual value. Resolution is pure: `resolve_*` take the parsed JSON dict; `load_*` read
@@ -232,7 +232,7 @@ def load_target_config(model_dir: str | Path) -> TargetConfig:
 
 # ---------------------------------------------------------------- draft
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DESIGN §2.2: [L//2] for one draft layer, else round(1 + i*(L-4)/(n-1)) (half-even)."""
+    """spec §2.2: [L//2] for one draft layer, else round(1 + i*(L-4)/(n-1)) (half-even)."""
     L, n = num_target_layers, num_draft_layers
     if n == 1:
         return [L // 2]
@@ -314,7 +314,7 @@ def _layer_causality(raw: dict, dc: dict, n_layers: int, layer_types, source: st
 
 
 def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: str = "config.json") -> DraftConfig:
-    """DESIGN §2.2 table. `target` supplies num_target_layers / vocab when the draft omits them."""
+    """spec §2.2 table. `target` supplies num_target_layers / vocab when the draft omits them."""
     arch = architecture_of(raw, source)
     if arch not in DRAFT_ARCHITECTURES:
         raise UnknownArchitectureError(

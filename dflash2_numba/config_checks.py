@@ -1,5 +1,5 @@
 """Typed reads of config.json values: the JSON type and the range of every number a model is
-built from, checked before anything is computed with it (DESIGN §2).
+built from, checked before anything is computed with it (spec §2).
 
 Python would happily run `int("64")`, `bool("false")` (True!) or `float("1e6")`, and a zero head
 count or a negative eps only shows up later as a traceback or as NaN logits. Every helper here

@@ -1,4 +1,4 @@
-"""bf16 helpers and the dtype policy (DESIGN §6).
+"""bf16 helpers and the dtype policy (spec §6).
 
 bf16 is carried as `np.uint16` everywhere (numba rejects ml_dtypes.bfloat16). The scalar
 helpers below are `@njit(inline="always")` so that CPU kernels and CUDA kernels (which can
@@ -6,7 +6,7 @@ call njit functions as device functions) share ONE definition of the rounding.
 
     bf16_to_f32(u16)  -> float32       exact (bf16 is the top half of an f32)
     f32_to_bf16(f32)  -> uint16        round-to-nearest-even, NaN stays NaN (quiet)
-    round_bf16(f32)   -> float32       rnd(x) of DESIGN: f32 -> bf16 -> f32
+    round_bf16(f32)   -> float32       rnd(x) of the spec: f32 -> bf16 -> f32
 
 Vectorised numpy versions (`*_array`) serve the numpy reference paths and the loaders.
 """

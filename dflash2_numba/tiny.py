@@ -1,4 +1,4 @@
-"""Deterministic tiny checkpoints: HF-format targets and DFlash / DFlash2 drafts (DESIGN §2, §8).
+"""Deterministic tiny checkpoints: HF-format targets and DFlash / DFlash2 drafts (spec §2, §8).
 
 Used by tests, examples, the CLI's embedded default and the benchmarks. Stands alone: it
 writes files, it never reads them back through the package's loader.
@@ -319,14 +319,14 @@ def write_tokenizer_files(model_dir: Path, tok: Tokenizer, architecture: str, ma
 
 # ---------------------------------------------------------------- draft
 def build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """DESIGN §2.2: [L // 2] for one tap, else round(1 + i*(L-4)/(n-1)) (half-even)."""
+    """spec §2.2: [L // 2] for one tap, else round(1 + i*(L-4)/(n-1)) (half-even)."""
     if n == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
 
 
 def _default_tap_ids(L: int, n: int) -> list[int]:
-    """The DESIGN formula when it gives n distinct layers below the last; for tiny targets
+    """The the spec formula when it gives n distinct layers below the last; for tiny targets
     (where it collapses or runs past the end) n distinct layers spread evenly over 0..L-2.
     The last layer is avoided: its output is the post-final-norm state in HF terms."""
     ids = build_target_layer_ids(L, n)
@@ -355,7 +355,7 @@ def write_draft(path, target_dir, *, kind: str = "dflash2", num_hidden_layers: i
 
     Shapes, sizes and token ids come from the target's config.json; mask_token_id None -> the
     target tokenizer's `<|mask|>`. nested=True keeps block_size / mask_token_id /
-    target_layer_ids in `dflash_config`, nested=False puts them top level (DESIGN §2.2).
+    target_layer_ids in `dflash_config`, nested=False puts them top level (spec §2.2).
     is_causal=None omits the key (legacy rule). identity_conv=True makes both convs the
     identity (tap-0 base 1, other taps 0, kernel_projection 0); zero_selector=True zeroes the
     codebooks (selector scores = candidate values, so the walk picks the argmax).

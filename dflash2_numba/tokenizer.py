@@ -179,7 +179,7 @@ class Tokenizer:
         return self.hf.id_to_token(int(token_id))
 
     def stop_ids(self, extra: Iterable[int] = ()) -> frozenset[int]:
-        """generation_config eos ∪ config.json eos ∪ `extra` (DESIGN §5.2). When neither file
+        """generation_config eos ∪ config.json eos ∪ `extra` (spec §5.2). When neither file
         names an eos id, the tokenizer_config eos_token (if it is a known token) stands in."""
         ids = set(self.generation_eos_ids) | set(self.config_eos_ids)
         if not ids and self.eos_token is not None and self.hf.token_to_id(self.eos_token) is not None:

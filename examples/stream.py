@@ -1,4 +1,4 @@
-"""Stream a speculative generation with the public API (DESIGN §9).
+"""Stream a speculative generation with the public API (spec §9).
 
     python examples/stream.py                               # the embedded default pair
     python examples/stream.py --target T --draft D --prompt "def add(a, b):"

@@ -1,4 +1,4 @@
-"""Independent float64 numpy forward of DFlash v1 / DFlash2 drafts, written from DESIGN §3, §4.1
+"""Independent float64 numpy forward of DFlash v1 / DFlash2 drafts, written from spec §3, §4.1
 and §4.2 for tests/test_draft.py and tests/test_dflash2_draft.py.
 
 Shares nothing with the package: tensors are read with safetensors' torch loader (bf16 -> f32 by
@@ -43,7 +43,7 @@ def rope(x, pos, theta):
 
 
 def conv_reference(x, delta, base, S, Q):
-    """DESIGN §4.2 literally: x [N, H], delta [N, taps, G], base [taps, H]; blocks of Q rows."""
+    """spec §4.2 literally: x [N, H], delta [N, taps, G], base [taps, H]; blocks of Q rows."""
     N, H = x.shape
     taps = base.shape[0]
     out = np.zeros((N, H))

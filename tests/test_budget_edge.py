@@ -1,4 +1,4 @@
-"""At the edge of the token budget the draft still runs the runtime Q rows (DESIGN §5).
+"""At the edge of the token budget the draft still runs the runtime Q rows (spec §5).
 
 The DFlash / DFlash2 block is non-causal: every row attends to every other row, so a block of
 fewer rows gives different hidden states, and the DFlash2 conv's block length changes with it.

@@ -1,4 +1,4 @@
-"""Safetensors reader (DESIGN §2.1, §6): every refusal by type and message, zero-copy views,
+"""Safetensors reader (spec §2.1, §6): every refusal by type and message, zero-copy views,
 BF16/F16/F32 bits against independent writers, sharded checkpoints, and `inspect`.
 
 Broken files are written by hand here (8-byte LE header length + JSON + payload), so the

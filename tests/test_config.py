@@ -1,4 +1,4 @@
-"""Config resolution (DESIGN §2.2) and tensor inventories (§2.1, §2.2).
+"""Config resolution (spec §2.2) and tensor inventories (§2.1, §2.2).
 
 The published Muse-Glimmer-30B DFlash2 config and safetensors header are the ground truth for
 the DFlash2 layout; transformers writes the targets (an independent writer of both

@@ -1,4 +1,4 @@
-"""Grouped dynamic depthwise conv (DESIGN §4.2): @njit kernel vs the sequential numpy reference,
+"""Grouped dynamic depthwise conv (spec §4.2): @njit kernel vs the sequential numpy reference,
 hand-computed literals, block-boundary and runtime-block-length gates.
 
 f32 must be exactly equal, bf16 bit-exact (uint16 equality): the op has no reduction-order
@@ -71,7 +71,7 @@ def test_kernel_matches_reference(dtype, taps, block_len):
         assert not np.array_equal(outs[0], outs[1])
 
 
-# ------------------------------------------------------------------ DESIGN §4.2 literals
+# ------------------------------------------------------------------ spec §4.2 literals
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_literal_block2_taps2(dtype):
     # block 2, taps 2, base 1, delta 0: out[n] = x[n] + [pos>=1] x[n-1]

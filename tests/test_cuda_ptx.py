@@ -1,5 +1,5 @@
 """Every @cuda.jit kernel compiles to PTX for compute capability 9.0 (H100/H200) without a GPU,
-and the conv's PTX has no FMA (DESIGN §6: NVVM contracts a*b+c into fma.rn, which would break
+and the conv's PTX has no FMA (spec §6: NVVM contracts a*b+c into fma.rn, which would break
 CPU == GPU bit-identity; the conv is built from mul.rn / add.rn intrinsics instead).
 
 Under NUMBA_ENABLE_CUDASIM=1 (set by conftest) `cuda.compile_ptx` is the simulator's, so the

@@ -102,7 +102,7 @@ def test_conv_both_position_arms(dtype):
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_conv_design_literals(dtype):
-    # DESIGN §4.2: block 2, taps 2, base 1, delta 0, x=[10,20,30,40] -> [10,30,30,70]
+    # spec §4.2: block 2, taps 2, base 1, delta 0, x=[10,20,30,40] -> [10,30,30,70]
     got = grouped_conv_cuda(_as(dtype, [[10], [20], [30], [40]]), _as(dtype, np.zeros((4, 2, 1))),
                             _as(dtype, np.ones((2, 1))), 1, 2)
     np.testing.assert_array_equal(got, _as(dtype, [[10], [30], [30], [70]]))

@@ -1,4 +1,4 @@
-"""DFlash2 draft (DESIGN §4): the conv around every sublayer, input_embedding_scale, the runtime
+"""DFlash2 draft (spec §4): the conv around every sublayer, input_embedding_scale, the runtime
 conv block length, the selector wiring and its refusals.
 
 Gates:

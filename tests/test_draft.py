@@ -1,4 +1,4 @@
-"""DFlash v1 draft (DESIGN §2.2, §3) against the independent float64 forward of
+"""DFlash v1 draft (spec §2.2, §3) against the independent float64 forward of
 tests/draft_reference.py: full recomputation of [context ++ block] with an explicit visibility
 mask, for causal / non-causal, sliding-window (W=3, small enough to cut the context) and GQA
 drafts. The context cache is fed in several chunks; block K/V must never persist.

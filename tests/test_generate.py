@@ -71,7 +71,7 @@ def test_user_stop_token_inclusive(targets):
 
 @pytest.mark.parametrize("where", ["config", "generation_config"])
 def test_model_eos_ids_stop(tmp_path, targets, where):
-    """An eos id from config.json or generation_config.json stops generation (DESIGN §5.2)."""
+    """An eos id from config.json or generation_config.json stops generation (spec §5.2)."""
     base = targets["qwen3"]
     ids = base.tokenizer.encode(PROMPT)
     ref = greedy_reference(base, ids, 30, stops=())

@@ -1,5 +1,5 @@
 """Sampling: target_probs against transformers' logits warpers, the sampler, and LOSSLESS
-speculative sampling (DESIGN §5.1) tested statistically.
+speculative sampling (spec §5.1) tested statistically.
 
 Statistical tests use fixed seeds (deterministic) and a chi-square goodness-of-fit with bins of
 expected count < 5 pooled; the p-value comes from the Wilson-Hilferty normal approximation

@@ -1,4 +1,4 @@
-"""DFlash2 candidate selector (DESIGN §4.3, §4.4).
+"""DFlash2 candidate selector (spec §4.3, §4.4).
 
 References here are written independently of models/selector.py: top-K by Python `sorted`,
 scores by explicit float64 loops (and an f32 einsum), walks by plain loops, bf16 weights

@@ -1,4 +1,4 @@
-"""The speculative loop's bookkeeping (DESIGN §5): greedy output == target-only greedy AND the
+"""The speculative loop's bookkeeping (spec §5): greedy output == target-only greedy AND the
 acceptance is exactly what an oracle drafter must get (a bookkeeping bug that keeps the output
 right shows up only there).
 

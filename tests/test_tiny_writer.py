@@ -1,4 +1,4 @@
-"""The tiny-checkpoint writer: safetensors bytes, determinism, tensor names/shapes (DESIGN §2.1,
+"""The tiny-checkpoint writer: safetensors bytes, determinism, tensor names/shapes (spec §2.1,
 §2.2), config layouts, and an independent loader (transformers on CPU) for the targets."""
 
 import hashlib
@@ -55,7 +55,7 @@ def dir_digest(d: Path) -> dict[str, str]:
 
 
 def expected_target_shapes(cfg: dict, qk_norm: bool) -> dict[str, list[int]]:
-    """DESIGN §2.1 tensor list, from the written config."""
+    """spec §2.1 tensor list, from the written config."""
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     s = {"model.embed_tokens.weight": [V, H], "model.norm.weight": [H]}
@@ -79,7 +79,7 @@ def expected_target_shapes(cfg: dict, qk_norm: bool) -> dict[str, list[int]]:
 
 
 def expected_draft_shapes(cfg: dict, V: int, v2: bool, selector: bool = True) -> dict[str, list[int]]:
-    """DESIGN §2.2 tensor list, from the written draft config."""
+    """spec §2.2 tensor list, from the written draft config."""
     H, I = cfg["hidden_size"], cfg["intermediate_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     dc = cfg["dflash_config"]
@@ -306,7 +306,7 @@ def test_draft_v2_config_follows_the_published_layout(tmp_path, target_dir):
 
 
 def test_published_target_layer_ids_formula(tmp_path):
-    """A 36-layer target and a 5-layer draft get the DESIGN formula's [1, 9, 17, 25, 33]."""
+    """A 36-layer target and a 5-layer draft get the spec formula's [1, 9, 17, 25, 33]."""
     t = tiny.write_target(tmp_path / "t36", num_hidden_layers=36, hidden_size=16,
                           intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
                           head_dim=8)

@@ -1,4 +1,4 @@
-"""Tokenizer: round trip, stop set (DESIGN §5.2), chat templates (HF-compatible rendering),
+"""Tokenizer: round trip, stop set (spec §5.2), chat templates (HF-compatible rendering),
 missing files, and streaming detokenisation that never emits half a character."""
 
 import json

@@ -1,4 +1,4 @@
-"""DFlash v1 and DFlash2 drafts in torch, written literally from DESIGN §3 and §4.
+"""DFlash v1 and DFlash2 drafts in torch, written literally from spec §3 and §4.
 
 The project's numpy decoder must reproduce this forward, so it follows the spec line by line
 rather than any upstream implementation:
@@ -17,7 +17,7 @@ rather than any upstream implementation:
 
 Batched layout: `B` sequences, each with `m` blocks of `Q` rows. The conv sees the block rows
 flattened to [B*m*Q, H] — blocks of length Q laid end to end, exactly the §4.2 row layout.
-Parameter names equal the DESIGN §2.2 tensor names (no `model.` prefix).
+Parameter names equal the spec §2.2 tensor names (no `model.` prefix).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def dynamic_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, Q: int, S: int) -> torch.Tensor:
-    """DESIGN §4.2. x [N, H] (blocks of Q rows end to end), delta [N, taps, G], base [taps, H].
+    """spec §4.2. x [N, H] (blocks of Q rows end to end), delta [N, taps, G], base [taps, H].
 
     out[n,c] = coef[n,0,c]*x[n,c] + sum_{t>=1} [pos(n) >= t] * coef[n,t,c]*x[n-t,c],
     coef[n,t,c] = base[t,c] + delta[n,t,c//S], pos(n) = n mod Q: taps never cross a block."""
@@ -214,7 +214,7 @@ class DraftLayer(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """DESIGN §4.4 tensors: hidden_projection [r, H], predecessor_codebook A [V, r] and
+    """spec §4.4 tensors: hidden_projection [r, H], predecessor_codebook A [V, r] and
     successor_codebook Bc [V, r] (plain parameters: no `.weight` suffix)."""
 
     def __init__(self, s: DraftSpec):

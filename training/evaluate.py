@@ -91,7 +91,7 @@ def greedy_reference(target, prompt_ids: list[int], max_new: int, stop_ids: set[
 @torch.no_grad()
 def simulate_decode(draft: DFlashDraft, embed: torch.Tensor, full: torch.Tensor, taps: torch.Tensor,
                     n: int, max_new: int, Q: int) -> dict:
-    """Greedy speculative decoding of one prompt (DESIGN §5), replayed against the known output.
+    """Greedy speculative decoding of one prompt (spec §5), replayed against the known output.
 
     full = prompt (n ids) + the target's greedy output (see greedy_reference). From start = n
     (the first generated token is the first anchor): rows Bv = min(Q, n + max_new - start); the

@@ -1,4 +1,4 @@
-"""Writing the drafts as DESIGN §2.2 checkpoints (bf16 safetensors + config.json).
+"""Writing the drafts as spec §2.2 checkpoints (bf16 safetensors + config.json).
 
     draft_config_json(spec, kind, eos_id)  -> dict   (published DFlash / DFlash2 layouts)
     save_draft(model, out_dir, eos_id)               config.json + model.safetensors (bf16)
@@ -75,7 +75,7 @@ def round_draft_to_bf16_(model: DFlashDraft) -> None:
 
 
 def draft_tensors(model: DFlashDraft) -> dict[str, torch.Tensor]:
-    """Parameter name == DESIGN §2.2 tensor name; bf16, contiguous."""
+    """Parameter name == spec §2.2 tensor name; bf16, contiguous."""
     return {name: p.detach().to(torch.bfloat16).contiguous() for name, p in model.named_parameters()}
 
 

@@ -154,7 +154,7 @@ def write(path: Path, results: dict) -> None:
         f"| dflash | {d1['params']:,} | **{tf(d1)['tau']:.3f}** | {d1['tau_f32_weights']:.3f} | "
         f"{tf(d1)['histogram']} | {pos(d1)} |",
         "",
-        f"Simulated greedy speculative decoding (torch, DESIGN §5) of the {sim(d2)['prompts']} held-out",
+        f"Simulated greedy speculative decoding (torch, spec §5) of the {sim(d2)['prompts']} held-out",
         f"prompts, max {sim(d2)['max_new_tokens']} new tokens, Q = 8, stop at `<|endoftext|>`:",
         f"DFlash2 tau = {sim(d2)['tau_over_steps']:.3f} over {sim(d2)['steps']} steps; "
         f"DFlash tau = {sim(d1)['tau_over_steps']:.3f} over {sim(d1)['steps']} steps",

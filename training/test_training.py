@@ -1,4 +1,4 @@
-"""Checks of the torch draft against the spec (DESIGN §2.2, §3, §4). Needs the `train` extra.
+"""Checks of the torch draft against docs/spec.md (§2.2, §3, §4). Needs the `train` extra.
 
     python -m pytest -q training        (~10 s; collected by the README's test command too)
 

@@ -1,4 +1,4 @@
-"""The speculative decode loop (DESIGN §5) as ONE streaming generator.
+"""The speculative decode loop (spec §5) as ONE streaming generator.
 
     for step in stream_generate(target, draft, "prompt", max_new_tokens=64):
         print(step.text, end="")

@@ -1,4 +1,4 @@
-"""Sampling and lossless verification (DESIGN §5.1).
+"""Sampling and lossless verification (spec §5.1).
 
     SamplingParams(temperature, top_k, top_p, seed)    temperature 0 = greedy
     mask_padded(logits, valid_vocab)                   padded ids -> -inf, before anything else

@@ -1,4 +1,4 @@
-"""Decode statistics (DESIGN §5.3).
+"""Decode statistics (spec §5.3).
 
 Definitions (peers disagree, so here they are):
 - a step is one target verify forward after the prefill (autoregressive: one token per step);

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention of a block of queries over a key set (DESIGN §2.1, §3).
+"""Scaled dot-product attention of a block of queries over a key set (spec §2.1, §3).
 
     attention(q [nq, nh, hd], k [nkv, >=T, hd], v [nkv, >=T, hd],
               q_pos [nq] int64, k_pos [T] int64, causal: bool, window: int,

@@ -1,4 +1,4 @@
-"""The ONE device switch (DESIGN §7): model code calls `ops.linear`, `ops.attention`,
+"""The ONE device switch (spec §7): model code calls `ops.linear`, `ops.attention`,
 `ops.grouped_conv` and never imports a kernel module itself.
 
     get_ops("cpu")    numba @njit kernels; bf16 weights stay uint16 memmaps (default)

@@ -1,4 +1,4 @@
-"""DFlash2 grouped dynamic depthwise convolution (DESIGN §4.2).
+"""DFlash2 grouped dynamic depthwise convolution (spec §4.2).
 
 Rows `n = 0..N-1` are request blocks of length `Q` (= `block_len`, the RUNTIME `1 + k`, never
 the checkpoint's block_size) laid end to end; `S = group_size`, `G = H // S`, `g(c) = c // S`:
@@ -109,7 +109,7 @@ conv_first_bf16, conv_tap_bf16 = make_conv_steps(_mul, _add, round_bf16)
 # ------------------------------------------------------------------ CPU kernels
 # The loops run tap by tap over whole rows, so every inner loop is a long branch-free loop over
 # channels that vectorises; per element the arithmetic is still exactly conv_first,
-# conv_tap(t=1), conv_tap(t=2), ... of DESIGN §4.2. The f32 and bf16 kernels are the same loop
+# conv_tap(t=1), conv_tap(t=2), ... of spec §4.2. The f32 and bf16 kernels are the same loop
 # with different load / store / steps; they are spelled out twice (not built by a factory)
 # because numba's disk cache misses on closures (measured), and compiling both costs seconds.
 @njit(inline="always")

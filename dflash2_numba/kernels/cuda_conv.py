@@ -1,4 +1,4 @@
-"""@cuda.jit twin of the grouped dynamic depthwise conv (DESIGN §4.2), BIT-IDENTICAL to the CPU
+"""@cuda.jit twin of the grouped dynamic depthwise conv (spec §4.2), BIT-IDENTICAL to the CPU
 kernel of kernels/conv.py (the authoritative one), for float32 and bf16 (uint16) tensors.
 
     grouped_conv_cuda(x [N, H], delta [N, taps, G], base [taps, H], group_size, block_len)

@@ -1,4 +1,4 @@
-"""y = x @ w.T with bf16 (uint16) weights converted on the fly (DESIGN §6).
+"""y = x @ w.T with bf16 (uint16) weights converted on the fly (spec §6).
 
     linear(x [M, K] f32, w [N, K] uint16|float32|float16) -> y [M, N] f32
 

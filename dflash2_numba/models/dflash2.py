@@ -1,4 +1,4 @@
-"""DFlash2 draft (DESIGN §4): DFlash v1 + a grouped dynamic conv around every sublayer + the
+"""DFlash2 draft (spec §4): DFlash v1 + a grouped dynamic conv around every sublayer + the
 candidate selector in place of the per-slot argmax.
 
 Each layer (the call sites live in DFlashDraft.block_forward, the ONE block forward every draft

@@ -1,4 +1,4 @@
-"""DFlash v1 block-diffusion draft (DESIGN §2.2, §3); DFlash2 builds on it (models/dflash2.py).
+"""DFlash v1 block-diffusion draft (spec §2.2, §3); DFlash2 builds on it (models/dflash2.py).
 
     draft = load_draft(draft_dir, target)           # DFlashDraft or DFlash2Draft, by config.json
     state = draft.new_state(max_len)                # the context K/V cache (a target KVCache)
@@ -16,7 +16,7 @@ Each layer is a pre-norm Qwen3 layer whose keys/values are [context K/V at posit
 the target's lm_head on the mask rows 1..Q-1 only. Block K/V never persist.
 
 `block_forward` takes several requests at once (rows laid end to end, Q per request: the layout
-of DESIGN §4.2) so that weights are read once per batch; `propose` uses one request.
+of spec §4.2) so that weights are read once per batch; `propose` uses one request.
 
 Run modes follow the target: dtype "f32" computes in f32 from bf16 weights; "bf16" rounds every
 op boundary as eager PyTorch does (models/layers.py). Kernels come from the target's `ops`.
@@ -129,7 +129,7 @@ class DFlashDraft:
         h[:, 1:] = self.mask_embedding  # [H], the same row every step: looked up once
         return h.reshape(-1, anchors.shape[1])  # [R*Q, H]
 
-    # conv call sites of DFlash2 (DESIGN §4.1); DFlash v1 has no conv: identity
+    # conv call sites of DFlash2 (spec §4.1); DFlash v1 has no conv: identity
     def conv_prepare(self, layer: dict, name: str, x: np.ndarray, n_rows: int):
         return x, None
 

@@ -2,7 +2,7 @@
 
 Activations are float32 `[rows, features]` (or `[rows, heads, hd]`). Every function takes
 `bf16: bool`: False computes in f32 (run mode "f32"); True rounds to bf16 at each point where
-eager PyTorch in bfloat16 materialises a tensor (run mode "bf16", DESIGN §6), so elementwise
+eager PyTorch in bfloat16 materialises a tensor (run mode "bf16", spec §6), so elementwise
 steps match torch bit for bit. Weights may be uint16 (bf16 bits) or float; small ones
 (norm weights) are converted here, big ones go through `ops.linear`.
 """

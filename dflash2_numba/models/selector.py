@@ -1,4 +1,4 @@
-"""DFlash2 candidate selector (DESIGN §4.3, §4.4): replaces the per-slot argmax of DFlash v1.
+"""DFlash2 candidate selector (spec §4.3, §4.4): replaces the per-slot argmax of DFlash v1.
 
 For the k mask rows of one draft block (row l predicts position p+1+l):
 
@@ -348,7 +348,7 @@ class CandidateSelector:
 
 class RefusedSelector:
     """Stands in for a selector that cannot run faithfully: the draft forward still runs, and
-    the step is refused by name here, before anything is sampled (DESIGN §4.4). Never a
+    the step is refused by name here, before anything is sampled (spec §4.4). Never a
     fallback to argmax drafting."""
 
     def __init__(self, reason: str):

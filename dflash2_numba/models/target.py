@@ -1,4 +1,4 @@
-"""Qwen3 / Llama target model over a croppable KV cache, with hidden taps (DESIGN §2.1, §5).
+"""Qwen3 / Llama target model over a croppable KV cache, with hidden taps (spec §2.1, §5).
 
     target = TargetModel.load(model_dir, device="cpu", dtype="f32")
     cache  = target.new_cache(max_len)
