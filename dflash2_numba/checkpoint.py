@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import errno
 import os
 import struct
 from dataclasses import dataclass
@@ -55,11 +56,11 @@ def check_weight_file(path: Path, what: str = "safetensors file") -> Path:
     """`path` must be a regular file we can open: a directory, a dangling symlink or a symlink
     loop in its place is refused by name (`Path.is_file` would just say False)."""
     try:
-        st = os.stat(path)  # follows symlinks: ENOENT (dangling) / ELOOP (loop) land here
+        os.stat(path)  # follows symlinks: ENOENT (dangling) / ELOOP (loop) land here
     except OSError as e:
         if os.path.islink(path):
             link = os.readlink(path)
-            why = "a symlink loop" if e.errno == 40 else f"a dangling symlink to {link!r}"
+            why = "a symlink loop" if e.errno == errno.ELOOP else f"a dangling symlink to {link!r}"
             raise CheckpointNotFoundError(f"{path}: {what} is {why} ({e.strerror})") from e
         raise CheckpointNotFoundError(f"{path}: {what} cannot be read ({e.strerror})") from e
     if not os.path.isfile(path):
