@@ -74,6 +74,8 @@ def _prompt_options(f):
 
 
 def _model_options(f):
+    f = click.option("--threads", type=int, default=None,
+                     help="numba threads for the CPU kernels (default: the physical cores).")(f)
     f = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)(f)
     f = click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
                      help="f32: compute in float32 from bf16 weights; bf16: round activations like eager PyTorch.")(f)
@@ -105,10 +107,12 @@ def _read_prompt(prompt, prompt_file, prompt_ids):
     return prompt, None
 
 
-def _load(target_dir, draft_dir, device, dtype, need_draft=False):
+def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False):
     from . import api
     from .default import default_pair
+    from .kernels.backend import set_threads
 
+    set_threads(threads)
     if target_dir is None:
         target_dir, default_draft = default_pair()
         draft_dir = draft_dir or default_draft
@@ -141,25 +145,23 @@ def _write_json(obj, dest) -> None:
 @click.option("--baseline", is_flag=True, help="Also run target-only on the same prompt and report the speedup.")
 @click.option("--json", "json_dest", default=None, metavar="PATH|-",
               help="Write the result object to PATH, or to stdout with '-' (then text is not streamed).")
-def generate(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_ids, chat,
+def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat,
              block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
              json_dest):
     """Generate text; stream it to stdout, statistics to stderr."""
     from .decode.loop import generate as run_generate, resolve_prompt_ids, stream_generate
+    from .decode.warmup import warm_up
 
     check_output_path(json_dest)
     SamplingParams(temperature, top_k, top_p, seed)  # refused before the (slow) model load
     prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
-    target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype)
+    target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads)
     ids = resolve_prompt_ids(target, prompt, ids, chat)
     kwargs = dict(max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
                   top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids)
 
-    if baseline:  # compile / warm both paths first so neither timing pays the JIT
-        warm = dict(kwargs, max_new_tokens=min(max_new_tokens, 2 * (draft.block_size if draft else 1) + 1))
-        run_generate(target, None, **dict(warm, block_size=None))
-        if draft is not None:
-            run_generate(target, draft, **warm)
+    # compile first (cold cache: one notice), so that no timing below pays the JIT
+    compile_s = warm_up(target, draft, baseline=baseline, **kwargs)
 
     out, parts, finish, stats = [], [], None, None
     for step in stream_generate(target, draft, **kwargs):
@@ -179,6 +181,7 @@ def generate(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_i
             i = next((j for j, (a, b) in enumerate(zip(base.output_ids, out)) if a != b),
                      min(len(base.output_ids), len(out)))
             click.echo(f"warning: greedy speculative output differs from target-only at token {i}", err=True)
+    stats.compile_s = compile_s
     click.echo(stats.format(), err=True)
 
     if json_dest is not None:
@@ -200,7 +203,7 @@ def generate(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_i
 @_prompt_options
 @_sampling_options
 @click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the proposal object to PATH or stdout ('-').")
-def propose(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_ids, chat,
+def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat,
             block_size, temperature, top_k, top_p, seed, json_dest):
     """One draft proposal round, stopping before verification."""
     from .decode.loop import propose_once
@@ -208,7 +211,7 @@ def propose(target_dir, draft_dir, device, dtype, prompt, prompt_file, prompt_id
     check_output_path(json_dest)
     SamplingParams(temperature, top_k, top_p, seed)
     prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
-    _, _, target, draft = _load(target_dir, draft_dir, device, dtype, need_draft=True)
+    _, _, target, draft = _load(target_dir, draft_dir, device, dtype, threads, need_draft=True)
     res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, block_size=block_size,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if json_dest is not None:

@@ -289,6 +289,8 @@ CASES = [
     Case("temperature-huge", GEN + ["--temperature", "1e300"], "GenerationArgumentError", ("temperature", "1e+300")),
     Case("temperature-neg", GEN + ["--temperature", "-1"], "GenerationArgumentError", ("temperature", "-1")),
     Case("temperature-nan", GEN + ["--temperature", "nan"], "GenerationArgumentError", ("temperature", "nan")),
+    Case("threads-zero", GEN + ["--threads", "0"], "GenerationArgumentError", ("--threads", "0", "NUMBA_NUM_THREADS")),
+    Case("threads-beyond-pool", GEN + ["--threads", "100000"], "GenerationArgumentError", ("--threads", "100000")),
     Case("top-p-zero", GEN + ["--top-p", "0"], "GenerationArgumentError", ("top_p", "0")),
     Case("top-k-neg", GEN + ["--top-k", "-1"], "GenerationArgumentError", ("top_k", "-1")),
     Case("seed-neg", GEN + ["--seed", "-1"], "GenerationArgumentError", ("seed", "-1")),

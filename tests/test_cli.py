@@ -167,3 +167,51 @@ def test_prompt_file_equals_prompt(pair, tmp_path):
     assert a.exit_code == b.exit_code == 0
     assert json.loads(a.stdout)["prompt_ids"] == json.loads(b.stdout)["prompt_ids"]
     assert json.loads(a.stdout)["output_ids"] == json.loads(b.stdout)["output_ids"]
+
+
+def test_threads_option_runs_and_the_stats_say_how_many(pair):
+    """--threads N sets numba's thread count for the run; the statistics report it (stats block
+    and --json). Red on an option that is parsed but never applied."""
+    import numba
+
+    before = numba.get_num_threads()
+    try:
+        r = run("generate", "--target", pair["target"], "--draft", pair["dflash2"], "--prompt-ids", IDS,
+                "--max-new-tokens", 8, "--threads", 1, "--json", "-")
+        assert r.exit_code == 0, r.stderr
+        assert numba.get_num_threads() == 1 and "1 thread" in r.stderr
+        if numba.config.NUMBA_NUM_THREADS >= 2:
+            r = run("generate", "--target", pair["target"], "--prompt-ids", IDS, "--max-new-tokens", 4,
+                    "--threads", 2)
+            assert r.exit_code == 0 and numba.get_num_threads() == 2 and "2 threads" in r.stderr
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_first_run_notice_and_compile_time_kept_out_of_the_stats(pair, monkeypatch):
+    """A cold kernel cache: one notice before anything is compiled, and the warm-up's seconds on
+    a `compile` line of the stats block (red on a notice printed per compile, or compile time
+    left out of the block). Then a sanity check that a generation after `warm_up` compiles
+    nothing (it only bites in a process whose kernels start uncompiled, e.g. this test alone
+    with NUMBA_CACHE_DIR pointing at an empty directory)."""
+    from dflash2_numba.decode import warmup
+    from dflash2_numba.kernels import cache_check
+
+    monkeypatch.setattr(warmup, "kernel_cache_is_cold", lambda: True)
+    compiled = iter([0, 3])  # pretend the warm-up compiled three specialisations
+    monkeypatch.setattr(warmup, "kernels_compiled", lambda: next(compiled))
+    r = run("generate", "--target", pair["target"], "--draft", pair["dflash2"], "--prompt-ids", IDS,
+            "--max-new-tokens", 8, "--threads", 1)
+    assert r.exit_code == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0] == warmup.NOTICE and sum(line == warmup.NOTICE for line in lines) == 1
+    assert any(line.startswith("compile ") and "not in the times above" in line for line in lines)
+
+    # after the real warm-up, the timed generation compiles nothing more
+    monkeypatch.undo()
+    target = dn.load_target(pair["target"])
+    draft = dn.load_draft(pair["dflash2"], target)
+    warmup.warm_up(target, draft, prompt_ids=[5, 17, 200, 33], max_new_tokens=20, block_size=5)
+    before = cache_check.kernels_compiled()
+    dn.generate(target, draft, prompt_ids=[5, 17, 200, 33], max_new_tokens=20, block_size=5)
+    assert cache_check.kernels_compiled() == before

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import numba
 import numpy as np
 
 from ..errors import ContextLengthError, GenerationArgumentError, NonFiniteLogitsError, SelectorRefusedError
@@ -187,7 +188,7 @@ def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: S
     n = len(prompt_ids)
     max_len = n + max_new
     tap_layers = tuple(draft.target_layer_ids) if draft is not None else ()
-    stats = DecodeStats(block_size=Q, prompt_tokens=n)
+    stats = DecodeStats(block_size=Q, prompt_tokens=n, threads=numba.get_num_threads())
 
     ids = list(prompt_ids)  # prompt + committed tokens
 

@@ -10,7 +10,9 @@ Definitions (peers disagree, so here they are):
 - prefill_s: the target prompt forward + first token; draft_s: drafter time (context extension
   and proposals); verify_s: target verify forwards + acceptance; decode_s: wall time of all
   steps (draft + verify + bookkeeping); tokens_per_s = generated tokens / (prefill_s + decode_s)
-  and decode_tokens_per_s = tokens after the first / decode_s.
+  and decode_tokens_per_s = tokens after the first / decode_s;
+- threads: numba threads the kernels ran with; compile_s: the CLI's first-run warm-up (kernel
+  compilation), kept out of every timing above.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class DecodeStats:
     decode_s: float = 0.0
     baseline_tokens_per_s: float | None = None
     speedup: float | None = None
+    threads: int = 1  # numba threads the kernels ran with
+    compile_s: float | None = None  # first-run kernel compilation (a warm-up), not in any timing above
 
     def record_step(self, rows: int, accepted: int) -> None:
         self.steps += 1
@@ -98,7 +102,10 @@ class DecodeStats:
         lines.append(f"time     prefill {self.prefill_s:.3f}s  decode {self.decode_s:.3f}s "
                      f"(draft {self.draft_s:.3f}s, verify {self.verify_s:.3f}s)")
         lines.append(f"speed    {self.tokens_per_s:.1f} tok/s overall, "
-                     f"{self.decode_tokens_per_s:.1f} tok/s decode")
+                     f"{self.decode_tokens_per_s:.1f} tok/s decode, {self.threads} thread"
+                     + ("s" if self.threads != 1 else ""))
+        if self.compile_s is not None:
+            lines.append(f"compile  {self.compile_s:.1f}s first-run kernel compilation (not in the times above)")
         if self.baseline_tokens_per_s is not None:
             sp = "n/a" if self.speedup is None else f"{self.speedup:.2f}x"
             lines.append(f"baseline {self.baseline_tokens_per_s:.1f} tok/s autoregressive, speedup {sp}")

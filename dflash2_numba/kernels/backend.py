@@ -20,12 +20,14 @@ Contracts (all float32 activations):
     gated_delta(q, k, v, g, beta, state_in, state_out) -> o [n, Hv, dv]    (kernels/gdn.py)
 """
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from ..errors import DeviceUnavailableError
+from ..errors import DeviceUnavailableError, GenerationArgumentError
 from ..numerics import as_f32
 from ..models import layers
 from . import gdn, rowwise
@@ -34,6 +36,36 @@ from .cache_check import check_kernel_cache
 from .linear import linear, linear_reference
 
 DEVICES = ("cpu", "numpy", "cuda")
+
+
+# ------------------------------------------------------------------ threads
+def physical_cores() -> int:
+    """Physical cores this process may run on: SMT siblings count once (sysfs topology); the
+    logical count where that is unreadable. A second hyper-thread adds little to bandwidth-bound
+    GEMVs and costs fork/join wake-ups."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            return len(cpus) or 1
+    return max(1, len(cores))
+
+
+def set_threads(n: int | None = None) -> int:
+    """numba threads the kernels run with: n, or the physical cores (at most numba's pool size).
+    Products below each kernel's measured threshold stay serial whatever this says."""
+    import numba
+
+    pool = numba.config.NUMBA_NUM_THREADS
+    if n is None:
+        n = min(physical_cores(), pool)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= pool:
+        raise GenerationArgumentError(
+            f"--threads {n!r}: expected an integer in 1..{pool} (numba's thread pool; NUMBA_NUM_THREADS)")
+    numba.set_num_threads(n)
+    return n
 
 
 @dataclass(frozen=True)

@@ -16,23 +16,40 @@ from pathlib import Path
 from ..errors import KernelCacheError
 
 
+def _kernel_modules():
+    from . import attention, conv, gdn, linear, rowwise
+
+    return attention, conv, gdn, linear, rowwise
+
+
+def _cached_dispatchers(modules):
+    """Every `@njit(cache=True)` dispatcher defined in `modules`."""
+    return [obj for module in modules for obj in vars(module).values()
+            if getattr(getattr(obj, "_cache", None), "_cache_path", None)]
+
+
+def kernel_cache_is_cold() -> bool:
+    """True on this package's first run here: the serial GEMV driver, which every decode calls,
+    has no index file in numba's cache yet (the run will start with ~10-20 s of compiling)."""
+    from .linear import _gemv_ser
+
+    return not Path(_gemv_ser._cache._cache_file._index_path).exists()
+
+
+def kernels_compiled() -> int:
+    """How many kernel specialisations this process has compiled (numba cache misses) so far."""
+    return sum(sum(d.stats.cache_misses.values()) for d in _cached_dispatchers(_kernel_modules()))
+
+
 def _cache_dirs(modules) -> set[Path]:
     """Directories numba reads the cached kernels of `modules` from (the package __pycache__,
     or NUMBA_CACHE_DIR/<module dir>_<hash>)."""
-    dirs = set()
-    for module in modules:
-        for obj in vars(module).values():
-            path = getattr(getattr(obj, "_cache", None), "_cache_path", None)
-            if path:
-                dirs.add(Path(path))
-    return dirs
+    return {Path(d._cache._cache_path) for d in _cached_dispatchers(modules)}
 
 
 @functools.lru_cache(maxsize=None)
 def check_kernel_cache() -> None:
-    from . import attention, conv, linear, rowwise
-
-    for directory in sorted(_cache_dirs((attention, conv, linear, rowwise))):
+    for directory in sorted(_cache_dirs(_kernel_modules())):
         for path in sorted(directory.glob("*.nbc")):
             try:
                 pickle.loads(path.read_bytes())

@@ -1,0 +1,41 @@
+"""First-run kernel compilation, kept out of the statistics.
+
+numba compiles the CPU kernels on first use (then caches them on disk; later processes load
+them) and the CUDA kernels at first launch in every process: ~10-20 s on a cold machine, which a
+timed run would report as prefill / draft time. `warm_up` runs the paths a generation takes — a
+multi-row prefill, the draft's context update and a full Q-row proposal, a verify block — on a
+short prompt first (as llama.cpp warms up before it times), prints one notice when this is the
+package's first run here, and says how long compiling took.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ..kernels.cache_check import kernel_cache_is_cold, kernels_compiled
+
+NOTICE = "compiling numba kernels (first run only: they are cached for later runs) ..."
+
+
+def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kwargs) -> float | None:
+    """Run the speculative path (and target-only too with `baseline` or no draft) on a 9-token
+    prompt for the prefill token plus one full Q-row step, with the same sampling settings.
+    NOTICE goes to `notice` (default: stderr) first when the kernel cache is cold. Returns the
+    seconds spent when kernels were compiled (CPU cache misses, or any CUDA run), else None."""
+    from .loop import generate  # lazy: loop imports its neighbours
+
+    if kernel_cache_is_cold():
+        (notice or (lambda text: print(text, file=sys.stderr, flush=True)))(NOTICE)
+    before, t0 = kernels_compiled(), time.perf_counter()
+    vocab = max(1, min(target.valid_vocab, target.config.vocab_size))
+    ids = [i % vocab for i in range(1, 10)]  # 9 rows: the blocked attention path of a prefill
+    Q = generate_kwargs.get("block_size") or (draft.block_size if draft is not None else 1)
+    kw = {k: v for k, v in generate_kwargs.items() if k not in ("prompt_ids", "max_new_tokens", "stop_token_ids")}
+    kw.update(prompt_ids=ids, max_new_tokens=Q + 1)  # the prefill token, then one Q-row step
+    if draft is not None:
+        generate(target, draft, **kw)
+    if baseline or draft is None:
+        generate(target, None, **dict(kw, block_size=None))
+    compiled = kernels_compiled() > before or getattr(target.ops, "device", "cpu") == "cuda"
+    return time.perf_counter() - t0 if compiled else None
