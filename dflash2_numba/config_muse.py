@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .config import ExpectedTensors, _refuse_rope_scaling
+from .config import _refuse_rope_scaling
+from .inventory import ExpectedTensors
 from .config_checks import check_float, get_float, get_int, head_geometry, token_ids
 from .errors import ConfigError, PairingError, UnsupportedConfigError
 

@@ -17,11 +17,12 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
+from .config import TARGET_ARCHITECTURES, resolve_target_config
 from .config_checks import architecture_of
 from .config_muse import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, expected_muse_tensors,
                           resolve_muse_config)
 from .errors import UnknownArchitectureError
+from .inventory import expected_target_tensors
 from .models.qwen3_5_config import (ARCHITECTURES as QWEN3_5_ARCHITECTURES, describe_qwen3_5,
                                     expected_qwen3_5_tensors, is_qwen3_5, resolve_qwen3_5_config)
 

@@ -16,13 +16,13 @@ import numpy as np
 from .checkpoint import DTYPES, INDEX_NAME, open_checkpoint
 from .config import (
     DRAFT_ARCHITECTURES,
-    expected_draft_tensors,
     human_bytes,
     read_config_json,
     resolve_draft_config,
 )
 from .errors import CheckpointError
 from .families import target_family
+from .inventory import expected_draft_tensors
 
 # files that change what the model computes or emits, hashed when present
 SIDE_FILES = (

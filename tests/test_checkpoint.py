@@ -18,11 +18,8 @@ from safetensors.numpy import save_file as np_save_file
 from safetensors.torch import save_file as torch_save_file
 
 from dflash2_numba.checkpoint import open_checkpoint, read_header
-from dflash2_numba.config import (
-    expected_draft_tensors,
-    load_target_config,
-    resolve_draft_config,
-)
+from dflash2_numba.config import load_target_config, resolve_draft_config
+from dflash2_numba.inventory import expected_draft_tensors
 from dflash2_numba.errors import (
     CheckpointNotFoundError,
     CorruptHeaderError,

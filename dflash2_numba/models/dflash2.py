@@ -31,7 +31,7 @@ import sys
 
 import numpy as np
 
-from ..config import expected_draft_tensors
+from ..inventory import expected_draft_tensors
 from ..decode.drafter import Proposal, valid_vocab
 from ..decode.sampling import SamplingParams
 from ..numerics import as_f32, bf16_to_f32_array, f32_to_bf16_array

@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..config import DraftConfig, check_pairing, expected_draft_tensors, load_draft_config
+from ..config import DraftConfig, check_pairing, load_draft_config
+from ..inventory import expected_draft_tensors
 from ..decode.drafter import LazyInfo, Proposal, valid_vocab
 from ..decode.sampling import SamplingParams, mask_padded, sample_token, target_probs
 from ..errors import GenerationArgumentError

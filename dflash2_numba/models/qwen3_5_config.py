@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import ExpectedTensors, _rope_theta, human_bytes
+from ..config import _rope_theta, human_bytes
+from ..inventory import ExpectedTensors
 from ..config_checks import check_float, get_float, get_int, head_geometry, token_ids
 from ..errors import ConfigError, UnknownArchitectureError, UnsupportedConfigError
 

@@ -1,0 +1,117 @@
+"""Tensor inventories (spec §2.1, §2.2): every tensor a checkpoint must hold, with its shape,
+what it may hold besides, and what it holds that is ignored by name.
+
+    expected = expected_target_tensors(cfg)      # or expected_draft_tensors(cfg, vocab)
+    checkpoint.require(expected)                 # Missing / Unexpected / TensorShapeError
+    expected.ignored(checkpoint.names())         # name -> why it is not read
+
+Each target family builds its own from its config (config_muse, models/qwen3_5_config).
+"""
+
+from __future__ import annotations
+
+from .config import DraftConfig, TargetConfig
+
+
+class ExpectedTensors(dict):
+    """name -> shape, plus what `Checkpoint.require` needs to explain itself.
+
+    `optional`: names tolerated in the file but not required (a redundant `lm_head.weight`
+    next to tied embeddings; selector tensors when the caller did not ask for them).
+    `notes`: name -> why the shape is what it is, appended to a TensorShapeError.
+    `ignored_prefixes`: prefix -> why; every tensor under such a prefix is tolerated and never
+    read (a vision tower, a built-in MTP head), and `inspect` lists it as ignored BY NAME."""
+
+    def __init__(self, shapes=(), optional=(), notes=None, ignored_prefixes=None):
+        super().__init__(shapes)
+        self.optional = set(optional)
+        self.notes = dict(notes or {})
+        self.ignored_prefixes = dict(ignored_prefixes or {})
+
+    def ignored(self, names) -> dict[str, str]:
+        """name -> why, for the given tensor names that fall under an ignored prefix."""
+        return {n: why for n in names for p, why in self.ignored_prefixes.items() if n.startswith(p)}
+
+
+def expected_target_tensors(cfg: TargetConfig) -> ExpectedTensors:
+    """Every tensor of a Qwen3 / Llama target with its shape. `lm_head.weight` only when untied."""
+    H, I, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q_rows, H),
+            p + "self_attn.k_proj.weight": (kv_rows, H),
+            p + "self_attn.v_proj.weight": (kv_rows, H),
+            p + "self_attn.o_proj.weight": (H, q_rows),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        }
+        if cfg.has_qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    optional = ()
+    if cfg.tie_word_embeddings:
+        optional = ("lm_head.weight",)  # tied: the embedding is the head; a saved copy is harmless
+    else:
+        shapes["lm_head.weight"] = (V, H)
+    notes = {"model.embed_tokens.weight": f"[vocab_size, hidden_size] from {cfg.source}"}
+    return ExpectedTensors(shapes, optional, notes)
+
+
+def expected_draft_tensors(cfg: DraftConfig, vocab_size: int, include_selector: bool = True) -> ExpectedTensors:
+    """Every tensor of a DFlash v1 / DFlash2 draft (no `model.` prefix) with its shape.
+
+    `vocab_size` is the TARGET's: the codebooks are indexed by target token ids, so a draft
+    trained against another vocabulary shows up as a TensorShapeError on the codebooks.
+    With `include_selector=False` the selector tensors are tolerated but not required."""
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    fc, ctx_norm = cfg.context_tensor_names
+    shapes = {fc: (H, cfg.n_taps * H), ctx_norm: (H,), "norm.weight": (H,)}
+    notes = {fc: f"[hidden_size, n_taps * hidden_size] with {cfg.n_taps} taps {cfg.target_layer_ids}"}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q_rows, H),
+            p + "self_attn.k_proj.weight": (kv_rows, H),
+            p + "self_attn.v_proj.weight": (kv_rows, H),
+            p + "self_attn.o_proj.weight": (H, q_rows),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        }
+        if cfg.kind == "dflash2":
+            taps, G = cfg.conv_kernel_size, cfg.conv_groups
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[p + conv + ".base_kernel"] = (2, taps, H)  # [side, tap, channel]
+                shapes[p + conv + ".kernel_projection.weight"] = (2 * taps * G, H)
+                notes[p + conv + ".kernel_projection.weight"] = (
+                    f"[2 * conv_kernel_size * (hidden_size / conv_group_size), hidden_size] = "
+                    f"[2 * {taps} * {G}, {H}]"
+                )
+    optional: tuple = ()
+    if cfg.kind == "dflash2":
+        r = cfg.selector_rank
+        selector = {
+            "candidate_selector.hidden_projection.weight": (r, H),
+            "candidate_selector.predecessor_codebook": (vocab_size, r),
+            "candidate_selector.successor_codebook": (vocab_size, r),
+        }
+        for name in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
+            notes[name] = (
+                f"[target vocab_size, selector_rank] = [{vocab_size}, {r}]: the codebook rows must equal "
+                "the TARGET's vocab_size (was this draft trained for another target?)"
+            )
+        if include_selector:
+            shapes |= selector
+        else:
+            optional = tuple(selector)
+    return ExpectedTensors(shapes, optional, notes)
