@@ -87,3 +87,24 @@ def test_prefill_path_converts_in_chunks():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 0.75 * N * K * 4, peak
+
+
+# N: every remainder mod 2 and mod 4, inside one output block and past ROW_BLOCK; K: below one
+# vector, every remainder mod 8 and mod 16 (LLVM's vector loop and its scalar epilogue).
+TILE_NK = [(1, 1), (3, 7), (5, 8), (ROW_BLOCK + 2, 17), (ROW_BLOCK + 3, 31), (2 * ROW_BLOCK + 5, 45),
+           (2 * ROW_BLOCK + 6, 70), (4, 16), (7, 100)]
+
+
+@pytest.mark.parametrize("M", range(1, 18))
+def test_tile_remainders(M):
+    """Rows 1..17 cross every row-group sequence (1, 4, 8, 8+1, 8+4, 8+8, 8+8+1); each is
+    tried against every (N, K) above. `out` starts as NaN, so an output never stored fails."""
+    rng = np.random.default_rng(100 + M)
+    for N, K in TILE_NK:
+        w, w64 = bf16_exact_weights(rng, N, K)
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        out = np.full((M, N), np.nan, dtype=np.float32)
+        check(linear(x, w, out=out), x, w64)
+        w32 = w64.astype(np.float32)  # the same values as float32 weights: the f32 _load arm
+        out[:] = np.nan
+        check(linear(x, w32, out=out), x, w64)
