@@ -75,6 +75,18 @@ def read_prompts(path: Path, n: int) -> list[dict]:
     return prompts
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo) and its widest vector extension: results move with it."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    simd = next((f for f in ("avx512f", "avx2", "avx") if f in flags), "no avx")
+    return f"{name} ({simd})"
+
+
 def machine_info(threads: int) -> dict:
     import numba
     import numpy
@@ -85,6 +97,7 @@ def machine_info(threads: int) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_model": cpu_model(),
             "python": platform.python_version(), "numpy": numpy.__version__,
             "numba": numba.__version__, "cpu_count": os.cpu_count(), "numba_threads": threads,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -250,7 +263,7 @@ def format_table(result: dict) -> str:
     for Q, d in result["dflash2_minus_dflash_tau"].items():
         lines.append(f"tau(DFlash2) - tau(DFlash) at Q={Q}: {d:+.3f}")
     m = result["machine"]
-    lines.append(f"{m['cpu_count']} cpus, numba threads {m['numba_threads']}, {m['platform']}, {m['date']}")
+    lines.append(f"{m.get('cpu_model', '?')}, {m['cpu_count']} cpus, numba threads {m['numba_threads']}, {m['platform']}, {m['date']}")
     return "\n".join(lines)
 
 
