@@ -53,11 +53,12 @@ def expected_target_tensors(cfg: TargetConfig) -> ExpectedTensors:
         }
         if cfg.has_qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
-    optional = ()
+        # old Llama exports carry the RoPE buffer: shape-checked when present, recomputed, never read
+        shapes[p + "self_attn.rotary_emb.inv_freq"] = (hd // 2,)
+    optional = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_hidden_layers)}
+    shapes["lm_head.weight"] = (V, H)
     if cfg.tie_word_embeddings:
-        optional = ("lm_head.weight",)  # tied: the embedding is the head; a saved copy is harmless
-    else:
-        shapes["lm_head.weight"] = (V, H)
+        optional.add("lm_head.weight")  # tied: the embedding is the head; a saved copy is harmless
     notes = {"model.embed_tokens.weight": f"[vocab_size, hidden_size] from {cfg.source}"}
     return ExpectedTensors(shapes, optional, notes)
 

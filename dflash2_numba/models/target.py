@@ -27,6 +27,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..config import TargetConfig, load_target_config
+from ..inventory import expected_target_tensors
 from ..errors import GenerationArgumentError
 from ..kernels.backend import Ops, get_ops
 from ..numerics import DTYPE_MODES, as_f32
@@ -93,7 +94,7 @@ class TargetModel:
         self.bf16 = dtype == "bf16"
         self.rope = RopeTables(config.head_dim, config.rope_theta, self.bf16)  # cos/sin by position
         self.valid_vocab = config.vocab_size
-        checkpoint.require(*expected_tensors(config))
+        checkpoint.require(expected_target_tensors(config))
         c, get, w = config, checkpoint.get, ops.prepare_weight
 
         self.embed_table = get("model.embed_tokens.weight")  # [V, H] stays uint16: rows on demand
@@ -228,32 +229,3 @@ def forward_ids(ids, tap_layers: Sequence[int], num_layers: int, who: str) -> np
             raise GenerationArgumentError(f"tap layer {l} outside 0..{num_layers - 1}")
     return ids
 
-
-def expected_tensors(c: TargetConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """(name -> shape, optional names) for the full inventory of a target checkpoint."""
-    H, I, V, hd = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
-    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
-    optional = {"lm_head.weight"} if c.tie_word_embeddings else set()
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (H,),
-                p + "post_attention_layernorm.weight": (H,),
-                p + "self_attn.q_proj.weight": (q_dim, H),
-                p + "self_attn.k_proj.weight": (kv_dim, H),
-                p + "self_attn.v_proj.weight": (kv_dim, H),
-                p + "self_attn.o_proj.weight": (H, q_dim),
-                p + "mlp.gate_proj.weight": (I, H),
-                p + "mlp.up_proj.weight": (I, H),
-                p + "mlp.down_proj.weight": (H, I),
-            }
-        )
-        if c.has_qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        # old Llama exports carry the RoPE buffer; it is recomputed, never read
-        shapes[p + "self_attn.rotary_emb.inv_freq"] = (hd // 2,)
-        optional.add(p + "self_attn.rotary_emb.inv_freq")
-    return shapes, optional
