@@ -213,3 +213,26 @@ def test_first_run_notice_and_compile_time_kept_out_of_the_stats(pair, monkeypat
     lines = r.stderr.splitlines()
     assert lines[0] == warmup.NOTICE and sum(line == warmup.NOTICE for line in lines) == 1
     assert any(line.startswith("compile ") and "not in the times above" in line for line in lines)
+
+
+def test_warm_up_reaches_the_parallel_drivers(pair):
+    """With more than one thread, the GEMV / attention go parallel only above a size threshold
+    that a short warm-up prompt never reaches but a long context does, mid-run: warm_up must
+    compile (or load) the parallel drivers too. Red, in a fresh process (this test alone), on a
+    warm-up without its second, threshold-0 pass."""
+    import numba
+
+    from dflash2_numba.decode import warmup
+    from dflash2_numba.kernels import attention, linear
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread only: the parallel drivers are never used")
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        target = dn.load_target(pair["target"])
+        warmup.warm_up(target, dn.load_draft(pair["dflash2"], target), prompt_ids=[5, 17], max_new_tokens=4)
+    finally:
+        numba.set_num_threads(before)
+    assert linear._gemv_par.overloads and attention._attention_par.overloads
+    assert linear.PARALLEL_MIN_MACS == 1 << 18  # the threshold is restored

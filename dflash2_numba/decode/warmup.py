@@ -12,8 +12,25 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 
+import numba
+
+from ..kernels import linear as linear_kernels
 from ..kernels.cache_check import kernel_cache_is_cold, kernels_compiled
+
+@contextmanager
+def parallel_threshold(macs: int | None):
+    """Temporarily set the product size above which the GEMV / attention kernels go parallel
+    (None: leave it)."""
+    saved = linear_kernels.PARALLEL_MIN_MACS
+    if macs is not None:
+        linear_kernels.PARALLEL_MIN_MACS = macs
+    try:
+        yield
+    finally:
+        linear_kernels.PARALLEL_MIN_MACS = saved
+
 
 NOTICE = "compiling numba kernels (first run only: they are cached for later runs) ..."
 
@@ -33,9 +50,14 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
     Q = generate_kwargs.get("block_size") or (draft.block_size if draft is not None else 1)
     kw = {k: v for k, v in generate_kwargs.items() if k not in ("prompt_ids", "max_new_tokens", "stop_token_ids")}
     kw.update(prompt_ids=ids, max_new_tokens=Q + 1)  # the prefill token, then one Q-row step
-    if draft is not None:
-        generate(target, draft, **kw)
-    if baseline or draft is None:
-        generate(target, None, **dict(kw, block_size=None))
+    # the parallel drivers run only above a size threshold that a short prompt never reaches (a
+    # long context does, mid-run): with more than one thread, a second pass with the threshold
+    # at 0 compiles them too
+    for threshold in (None, 0) if numba.get_num_threads() > 1 else (None,):
+        with parallel_threshold(threshold):
+            if draft is not None:
+                generate(target, draft, **kw)
+            if baseline or draft is None:
+                generate(target, None, **dict(kw, block_size=None))
     compiled = kernels_compiled() > before or getattr(target.ops, "device", "cpu") == "cuda"
     return time.perf_counter() - t0 if compiled else None
