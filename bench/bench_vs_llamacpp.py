@@ -1,0 +1,543 @@
+"""Greedy decode speed side by side, one run, same weights: this project vs llama.cpp vs transformers.
+
+    python bench/bench_vs_llamacpp.py [--rounds 5] [--tokens 128] [--threads 1,2] [--prompt-len 16]
+        [--engines dflash2-numba,llama.cpp,transformers] [--check-tokens 32] [--bw-gib 1]
+        [--cache-dir DIR] [--out bench/results/vs_llamacpp.json] [--llama-no-extra-bufts]
+
+The model is the ~120M-parameter random Qwen3 bf16 checkpoint that bench/bench_target.py writes
+(its SHAPE / model_dir(): hidden 768, inter 2048, 12 layers, 12 heads, 4 KV heads, head_dim 64,
+vocab 32000, untied head). Engines, each decoding greedily one token at a time over its KV cache
+after a prompt of fixed token ids (only the single-token steps are timed; argmax included):
+
+  dflash2-numba  TargetModel.load(dir, device="cpu"): bf16 weights, f32 compute (numba kernels)
+  llama.cpp      llama-cpp-python on a bf16 GGUF of the SAME weights, written by this script from
+                 the safetensors (write_gguf; cached next to the model, rewritten when GGUF_LAYOUT
+                 changes): `qwen3` architecture, matrices BF16 as stored, norms F32, vocabulary
+                 `tokenizer.ggml.model = "none"` + `qwen3.vocab_size` (llama.cpp then makes
+                 vocab_size dummy tokens and evaluates raw ids; there is no text tokenizer)
+  transformers   AutoModelForCausalLM in torch.bfloat16 (weights as stored, bf16 compute), manual
+                 loop with past_key_values
+
+For each thread count (numba.set_num_threads / llama_set_n_threads(n, n) / torch.set_num_threads)
+the engines are warmed up once (a full untimed decode: numba compiles on first use) and then
+timed alternately round by round (A, B, C, A, B, C, ...) for --rounds rounds, because the decode
+speed of any engine moves 15-20% with where a file's pages land in memory; the table shows each
+engine's MEDIAN round. Also measured in the same run: memory READ bandwidth at each thread count
+(numba parallel sum over a --bw-gib GiB array read as uint64 words, best of 5), from which each
+engine's weight GB/s (bytes of every layer matrix + the head, 2 bytes/param, per token / seconds
+per token) is put as a % of the read bandwidth.
+
+Correctness check: the first --check-tokens greedy tokens of llama.cpp and transformers against
+ours (how many agree, where they first differ). bf16 GGUF / bf16 torch vs our f32 accumulation
+may part late on random weights: reported, not asserted. But if the first few tokens of llama.cpp
+differ, the GGUF conversion is wrong: the script says so loudly and exits 1 (after the JSON).
+
+Writes bench/results/vs_llamacpp.json: machine (CPU model, avx2/avx512f/avx512_bf16/amx flags),
+versions, load average before/after, bandwidth, every round's numbers, medians, ratios, agreement.
+
+Engines that are not installed are skipped with a line saying so (the rest still run). Install:
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -e ".[bench]"   # llama-cpp-python + gguf
+    pip install -e ".[test]"                                   # torch (CPU) + transformers
+
+(llama-cpp-python builds from source: ~12 minutes, needs cmake and g++.)
+
+On llama.cpp: its AMX / repacked-weight ("extra buffer type") kernels crashed on some AVX-512 VMs;
+--llama-no-extra-bufts loads with model params use_extra_bufts = false. On a machine whose cores
+are shared with other work, multi-threaded results of every engine collapse (spin-waiting
+threads); the load average before / after and per round is recorded for that reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ENGINES = ("dflash2-numba", "llama.cpp", "transformers")
+GGUF_LAYOUT = 1  # bump when write_gguf writes something different: cached GGUFs are rewritten
+MUST_AGREE = 4  # the first tokens that must agree with ours, else the GGUF (or the model) is wrong
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per timed decode")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--bw-gib", type=float, default=1.0, help="size of the bandwidth array (GiB)")
+    ap.add_argument("--pause", type=float, default=0.2,
+                    help="seconds of sleep between engine runs (lets spinning worker threads park)")
+    ap.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp: use_extra_bufts = false (no AMX / repacked weight buffers)")
+    ap.add_argument("--cache-dir", type=Path,
+                    default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash2_numba")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "vs_llamacpp.json")
+    args = ap.parse_args(argv)
+    args.threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(args.engines) - set(ENGINES))
+    if unknown or not args.threads or min(args.threads) < 1 or args.rounds < 1 or args.tokens < 1:
+        ap.error(f"bad --engines {unknown} (known: {', '.join(ENGINES)}) / --threads / --rounds / --tokens")
+    if "dflash2-numba" not in args.engines:
+        ap.error("dflash2-numba is the reference engine: keep it in --engines")
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None:  # numba's pool size is fixed at import: make room for the largest count
+    if int(os.environ.get("NUMBA_NUM_THREADS", "0") or 0) < max(ARGS.threads):
+        os.environ["NUMBA_NUM_THREADS"] = str(max(max(ARGS.threads), os.cpu_count() or 1))
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+from bench_target import SHAPE, decode, model_dir  # noqa: E402
+from dflash2_numba.checkpoint import open_checkpoint  # noqa: E402
+from dflash2_numba.config import load_target_config  # noqa: E402
+from dflash2_numba.numerics import bf16_to_f32_array  # noqa: E402
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's qwen3 layout)
+def gguf_tensor_names(num_layers: int, tied: bool) -> dict[str, str]:
+    """HF tensor name -> llama.cpp GGUF tensor name (gguf-py's TENSOR_NAMES for MODEL_ARCH.QWEN3).
+    Qwen3 uses NeoX RoPE in llama.cpp (as in HF), so q / k need no permutation."""
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not tied:
+        names["lm_head.weight"] = "output.weight"
+    per_layer = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }
+    for i in range(num_layers):
+        for hf, gg in per_layer.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    return names
+
+
+def write_gguf(src_dir: str | Path, out_path: str | Path) -> Path:
+    """Write a Qwen3 safetensors checkpoint (HF directory) as a GGUF llama.cpp loads: `qwen3`
+    metadata, BF16 / F16 / F32 matrices kept in their stored type (bytes copied), 1-D norm weights
+    as F32 (bf16 -> f32 is exact), and a vocabulary of `vocab_size` dummy tokens
+    (tokenizer.ggml.model = "none"): enough to evaluate raw token ids. Written to a temporary name
+    and renamed, so a half-written file is never taken for a GGUF."""
+    import gguf
+
+    src_dir, out_path = Path(src_dir), Path(out_path)
+    cfg = load_target_config(src_dir)
+    if cfg.architecture != "Qwen3ForCausalLM":
+        raise ValueError(f"{src_dir}: write_gguf writes Qwen3ForCausalLM only, not {cfg.architecture} "
+                         "(a Llama target needs llama.cpp's Q/K permutation)")
+    if any(w is not None for w in cfg.layer_window):
+        raise ValueError(f"{src_dir}: sliding-window layers are not written to GGUF here")
+    ck = open_checkpoint(src_dir)
+    names = gguf_tensor_names(cfg.num_hidden_layers, cfg.tie_word_embeddings)
+    unmapped = sorted(set(ck.names()) - set(names))
+    if unmapped:
+        raise ValueError(f"{src_dir}: tensors with no GGUF name: {unmapped[:5]}")
+
+    tmp = out_path.with_name(out_path.name + ".partial")
+    w = gguf.GGUFWriter(tmp, arch="qwen3")
+    w.add_name(src_dir.name)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(float(cfg.rope_theta))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("none")  # llama-vocab.cpp: LLAMA_VOCAB_TYPE_NONE, vocab_size dummy tokens
+    raw_types = {"BF16": gguf.GGMLQuantizationType.BF16}
+    for hf_name in ck.names():
+        arr, dtype = ck.get(hf_name), ck.info(hf_name).dtype
+        if arr.ndim == 1:  # norm weights: F32 (ggml's rms_norm multiplies by an f32 weight)
+            w.add_tensor(names[hf_name], bf16_to_f32_array(arr) if dtype == "BF16" else arr.astype(np.float32))
+        elif dtype in raw_types:
+            w.add_tensor(names[hf_name], arr, raw_dtype=raw_types[dtype])
+        elif dtype in ("F32", "F16"):
+            w.add_tensor(names[hf_name], arr)
+        else:
+            raise ValueError(f"{src_dir}: {hf_name} has dtype {dtype}; expected BF16, F16 or F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def cached_gguf(src_dir: Path) -> Path:
+    """The benchmark model's GGUF next to it, (re)written when missing, older than the
+    safetensors, or written by another GGUF_LAYOUT."""
+    out = src_dir / "model-bf16.gguf"
+    stamp = src_dir / "model-bf16.gguf.layout"
+    newest = max(p.stat().st_mtime for p in src_dir.glob("*.safetensors"))
+    if not (out.exists() and stamp.exists() and stamp.read_text().strip() == str(GGUF_LAYOUT)
+            and out.stat().st_mtime >= newest):
+        print(f"writing the GGUF {out} ...", file=sys.stderr, flush=True)
+        stamp.unlink(missing_ok=True)
+        write_gguf(src_dir, out)
+        stamp.write_text(f"{GGUF_LAYOUT}\n")
+    return out
+
+
+def weight_bytes_per_token(src_dir: Path) -> int:
+    """Bytes of weights every decoded token reads, at 2 bytes/param: every layer matrix and the
+    head (a tied head is the embedding; an untied model's embedding contributes one row)."""
+    cfg = load_target_config(src_dir)
+    ck = open_checkpoint(src_dir)
+    n = sum(int(np.prod(ck.info(k).shape)) for k in ck.names()
+            if len(ck.info(k).shape) == 2 and k != "model.embed_tokens.weight")
+    if cfg.tie_word_embeddings:
+        n += int(np.prod(ck.info("model.embed_tokens.weight").shape))
+    return 2 * n
+
+
+# ---------------------------------------------------------------- memory read bandwidth
+def read_bandwidth(threads: list[int], gib: float, repeats: int = 5) -> dict:
+    """Best-of-`repeats` GB/s of a numba parallel sum over a `gib` GiB array (uint16 data read
+    as uint64 words: the loop is load-bound, not add-bound) at each thread count."""
+    import numba
+
+    @numba.njit(parallel=True, cache=False)
+    def chunked_sum(a, nchunks):
+        n = a.size
+        step = (n + nchunks - 1) // nchunks
+        partial = np.zeros(nchunks, dtype=np.uint64)
+        for c in numba.prange(nchunks):
+            s = np.uint64(0)
+            for i in range(c * step, min(n, (c + 1) * step)):
+                s += a[i]
+            partial[c] = s
+        return partial.sum()
+
+    n16 = int(gib * (1 << 30)) // 8 * 4
+    data = np.full(n16, 1, dtype=np.uint16)  # written once: every page is resident
+    words = data.view(np.uint64)
+    expect = np.uint64(words.size) * np.uint64(0x0001000100010001)
+    out = {}
+    for t in threads:
+        numba.set_num_threads(t)
+        chunked_sum(words[:1024], t * 4)  # compile / warm
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            s = chunked_sum(words, t * 4)
+            runs.append(data.nbytes / (time.perf_counter() - t0) / 1e9)
+            assert s == expect, "bandwidth kernel summed wrong"
+        out[str(t)] = {"best_gbs": max(runs), "runs_gbs": runs}
+    del data, words
+    return out
+
+
+# ---------------------------------------------------------------- engines
+class NumbaEngine:
+    name = "dflash2-numba"
+
+    def __init__(self, src_dir: Path, args):
+        import numba
+
+        from dflash2_numba.models.target import TargetModel
+
+        self.numba = numba
+        self.target = TargetModel.load(src_dir, device="cpu")
+
+    def set_threads(self, n: int) -> None:
+        self.numba.set_num_threads(n)
+
+    def decode(self, prompt: list[int], n: int) -> tuple[list[int], float]:
+        return decode(self.target, np.asarray(prompt, dtype=np.int64), n)
+
+
+class LlamaCppEngine:
+    name = "llama.cpp"
+
+    def __init__(self, src_dir: Path, args):
+        import llama_cpp
+        import llama_cpp.llama as llama_mod
+
+        self.llama_cpp = llama_cpp
+        path = cached_gguf(src_dir)
+        n0 = args.threads[0]
+        n_ctx = max(512, args.prompt_len + max(args.tokens, args.check_tokens) + 16)
+        kw = dict(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=n0, n_threads_batch=n0,
+                  logits_all=False, verbose=False)
+        low = llama_mod.llama_cpp  # the ctypes module Llama reads llama_model_default_params from
+        orig = low.llama_model_default_params
+        if args.llama_no_extra_bufts:
+            if "use_extra_bufts" not in dict(low.llama_model_params._fields_):
+                raise RuntimeError("this llama-cpp-python has no use_extra_bufts model param")
+
+            def no_extra():
+                p = orig()
+                p.use_extra_bufts = False
+                return p
+            low.llama_model_default_params = no_extra
+        try:
+            self.llm = llama_cpp.Llama(**kw)
+        finally:
+            low.llama_model_default_params = orig
+        self.n_vocab = self.llm.n_vocab()
+        self.system_info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+
+    def set_threads(self, n: int) -> None:
+        self.llama_cpp.llama_set_n_threads(self.llm._ctx.ctx, n, n)
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self.llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def decode(self, prompt: list[int], n: int) -> tuple[list[int], float]:
+        llm = self.llm
+        llm.reset()  # n_tokens = 0: the next eval drops the whole KV cache
+        llm.eval(list(prompt))
+        tokens = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = int(np.argmax(self._last_logits()))
+            tokens.append(tok)
+            llm.eval([tok])
+        return tokens, time.perf_counter() - t0
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, src_dir: Path, args):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.bfloat16).eval()
+
+    def set_threads(self, n: int) -> None:
+        self.torch.set_num_threads(n)
+
+    def decode(self, prompt: list[int], n: int) -> tuple[list[int], float]:
+        torch = self.torch
+        tokens = []
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                tok = int(torch.argmax(logits))
+                tokens.append(tok)
+                out = self.model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                past, logits = out.past_key_values, out.logits[0, -1]
+            return tokens, time.perf_counter() - t0
+
+
+ENGINE_CLASSES = {"dflash2-numba": NumbaEngine, "llama.cpp": LlamaCppEngine, "transformers": TransformersEngine}
+REQUIRES = {"dflash2-numba": ("numba",), "llama.cpp": ("llama_cpp", "gguf"), "transformers": ("torch", "transformers")}
+
+
+# ---------------------------------------------------------------- machine facts
+def machine_facts() -> dict:
+    facts = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    try:
+        facts["cpus_usable"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), None)
+        flags_line = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+        facts["cpu_model"] = model
+        facts["flags"] = {f: f in flags_line for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")}
+    except OSError:
+        facts["cpu_model"] = platform.processor() or None
+    try:
+        mem = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
+        facts["mem_total_gib"] = round(int(mem.split()[1]) / (1 << 20), 1)
+    except (OSError, StopIteration):
+        pass
+    return facts
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("numba", "numpy", "llama-cpp-python", "gguf", "torch", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def agreement(ref: list[int], other: list[int], n: int) -> dict:
+    a, b = ref[:n], other[:n]
+    prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {"compared": min(len(a), len(b)), "prefix_agree": prefix,
+            "positions_agree": sum(x == y for x, y in zip(a, b)),
+            "first_divergence": None if prefix == min(len(a), len(b)) else prefix,
+            "ok": prefix >= min(MUST_AGREE, n)}
+
+
+def loud(lines: list[str]) -> None:
+    bar = "!" * 78
+    print("\n".join([bar, *(f"!! {ln}" for ln in lines), bar]), file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- main
+def main(args) -> int:
+    import importlib.util
+
+    import numba
+
+    load_before = os.getloadavg()
+    src = model_dir(args.cache_dir)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 1000, args.prompt_len)]
+    n_warm = max(args.tokens, args.check_tokens)
+    skipped, warnings = {}, []
+
+    engines = []
+    for name in args.engines:
+        missing = [m for m in REQUIRES[name] if importlib.util.find_spec(m) is None]
+        if missing:
+            skipped[name] = f"not installed: {', '.join(missing)}"
+            print(f"SKIPPING {name}: {', '.join(missing)} not installed "
+                  f"(pip install -e '.[bench]' for llama.cpp, '.[test]' for transformers)", file=sys.stderr)
+            continue
+        t0 = time.perf_counter()
+        try:
+            eng = ENGINE_CLASSES[name](src, args)
+        except Exception as exc:  # an engine that cannot load is reported, the others still run
+            if name == "dflash2-numba":
+                raise
+            skipped[name] = f"failed to load: {type(exc).__name__}: {exc}"
+            loud([f"{name} failed to load: {type(exc).__name__}: {exc}"])
+            continue
+        eng.load_s = time.perf_counter() - t0
+        engines.append(eng)
+    names = [e.name for e in engines]
+
+    wbytes = weight_bytes_per_token(src)
+    print(f"measuring memory read bandwidth ({args.bw_gib:g} GiB array, threads {args.threads}) ...", file=sys.stderr)
+    bandwidth = read_bandwidth(args.threads, args.bw_gib)
+
+    results, agree, reference = {}, {}, {}
+    for t in args.threads:
+        for e in engines:
+            e.set_threads(t)
+        # warm-up: one full untimed decode per engine (compilation, first-touch of pages); its
+        # tokens are the agreement check
+        warm = {}
+        for e in engines:
+            warm[e.name], _ = e.decode(prompt, n_warm)
+            time.sleep(args.pause)
+        ref = warm["dflash2-numba"]
+        reference[str(t)] = ref[:args.check_tokens]
+        agree[str(t)] = {n: agreement(ref, warm[n], args.check_tokens) for n in names if n != "dflash2-numba"}
+        if str(args.threads[0]) != str(t) and ref[:args.check_tokens] != reference[str(args.threads[0])]:
+            warnings.append(f"dflash2-numba's greedy tokens at {t} threads differ from those at {args.threads[0]}")
+        rounds = []
+        for r in range(args.rounds):
+            for e in engines:
+                tokens, secs = e.decode(prompt, args.tokens)
+                rounds.append({"round": r, "engine": e.name, "seconds": secs, "tokens_per_s": args.tokens / secs,
+                               "same_tokens_as_warmup": tokens == warm[e.name][:args.tokens],
+                               "loadavg_1min": os.getloadavg()[0]})
+                print(f"  threads {t} round {r} {e.name:14s} {args.tokens / secs:8.2f} tokens/s", file=sys.stderr,
+                      flush=True)
+                time.sleep(args.pause)
+        bw = bandwidth[str(t)]["best_gbs"]
+        med = {}
+        for n in names:
+            tps = statistics.median(x["tokens_per_s"] for x in rounds if x["engine"] == n)
+            gbs = wbytes * tps / 1e9
+            med[n] = {"tokens_per_s": tps, "ms_per_token": 1e3 / tps, "weight_gbs": gbs, "pct_read_bw": 100 * gbs / bw}
+        ratios, paired = {}, {}
+        for n in names:
+            if n == "dflash2-numba":
+                continue
+            ratios[f"dflash2-numba/{n}"] = med["dflash2-numba"]["tokens_per_s"] / med[n]["tokens_per_s"]
+            per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(
+                [x for x in rounds if x["engine"] == "dflash2-numba"], [x for x in rounds if x["engine"] == n])]
+            paired[f"dflash2-numba/{n}"] = statistics.median(per_round)
+        results[str(t)] = {"rounds": rounds, "median": med, "ratio_of_medians": ratios,
+                           "median_of_paired_ratios": paired, "read_bandwidth_gbs": bw}
+    load_after = os.getloadavg()
+
+    # ---- report
+    failed = []
+    for t, per in agree.items():
+        for n, a in per.items():
+            if not a["ok"]:
+                failed.append(f"{n} at {t} threads: its first greedy tokens differ from dflash2-numba's "
+                              f"(agree for {a['prefix_agree']} of the first {MUST_AGREE}) -> "
+                              + ("the GGUF conversion is WRONG" if n == "llama.cpp" else "the engines do not compute the same model"))
+    print()
+    print(f"model: random Qwen3 {SHAPE}, bf16 weights ({wbytes / 1e6:.1f} MB read per token); prompt "
+          f"{args.prompt_len} ids, {args.tokens} timed single-token steps, median of {args.rounds} alternating rounds")
+    print(f"cpu: {machine_facts().get('cpu_model')}; load average {load_before[0]:.2f} -> {load_after[0]:.2f}; "
+          f"numba threading layer {numba.threading_layer()}")
+    for n, why in skipped.items():
+        print(f"skipped {n}: {why}")
+    for t in args.threads:
+        res = results[str(t)]
+        print(f"\nthreads {t}: measured read bandwidth {res['read_bandwidth_gbs']:.2f} GB/s")
+        print(f"  {'engine':15s} {'tokens/s':>9s} {'ms/token':>9s} {'weight GB/s':>12s} {'% read BW':>10s} "
+              f"{'rounds (tokens/s)':s}")
+        for n in names:
+            m = res["median"][n]
+            per = " ".join(f"{x['tokens_per_s']:.1f}" for x in res["rounds"] if x["engine"] == n)
+            print(f"  {n:15s} {m['tokens_per_s']:9.2f} {m['ms_per_token']:9.2f} {m['weight_gbs']:12.2f} "
+                  f"{m['pct_read_bw']:9.1f}% {per}")
+        for k, v in res["ratio_of_medians"].items():
+            print(f"  {k}: {v:.2f}x (median of per-round ratios {res['median_of_paired_ratios'][k]:.2f}x)")
+    for t, per in agree.items():
+        for n, a in per.items():
+            print(f"greedy agreement with dflash2-numba at {t} threads, first {a['compared']} tokens: {n} "
+                  f"{a['positions_agree']}/{a['compared']} positions, identical prefix {a['prefix_agree']}")
+    for w in warnings:
+        print(f"warning: {w}")
+    not_same = sorted({(x["engine"], t) for t, r in results.items() for x in r["rounds"] if not x["same_tokens_as_warmup"]})
+    for n, t in not_same:
+        print(f"warning: {n} at {t} threads: a timed round's tokens differ from its warm-up's")
+
+    doc = {
+        "machine": machine_facts(), "versions": versions(),
+        "llama_cpp_system_info": next((e.system_info for e in engines if e.name == "llama.cpp"), None),
+        "numba_threading_layer": numba.threading_layer(),
+        "settings": {"rounds": args.rounds, "tokens": args.tokens, "threads": args.threads, "prompt_ids": prompt,
+                     "check_tokens": args.check_tokens, "pause_s": args.pause, "bw_gib": args.bw_gib,
+                     "llama_no_extra_bufts": args.llama_no_extra_bufts, "model_shape": SHAPE, "model_dir": str(src),
+                     "weight_bytes_per_token": wbytes, "gguf_layout": GGUF_LAYOUT},
+        "engines": {e.name: {"load_s": e.load_s} for e in engines}, "skipped": skipped,
+        "load_average": {"before": list(load_before), "after": list(load_after)},
+        "read_bandwidth": bandwidth, "results": results,
+        "agreement": agree, "reference_tokens": reference, "agreement_failures": failed, "warnings": warnings,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+    if failed:
+        loud(failed)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))
