@@ -233,7 +233,7 @@ def read_bandwidth(threads: list[int], gib: float, repeats: int = 5) -> dict:
     n16 = int(gib * (1 << 30)) // 8 * 4
     data = np.full(n16, 1, dtype=np.uint16)  # written once: every page is resident
     words = data.view(np.uint64)
-    expect = np.uint64(words.size) * np.uint64(0x0001000100010001)
+    expect = np.uint64(words.size * 0x0001000100010001 % (1 << 64))  # the sum wraps mod 2**64
     out = {}
     for t in threads:
         numba.set_num_threads(t)
@@ -323,27 +323,46 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, src_dir: Path, args):
+        import inspect
+
         import torch
+        import transformers
         from transformers import AutoModelForCausalLM
 
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.bfloat16).eval()
+        transformers.utils.logging.disable_progress_bar()
+        self.torch, self.src_dir = torch, src_dir
+        major_minor = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+        self.dtype_kw = "dtype" if major_minor >= (4, 56) else "torch_dtype"  # renamed in 4.56
+        self.model = AutoModelForCausalLM.from_pretrained(src_dir, **{self.dtype_kw: torch.bfloat16}).eval()
+        # transformers 5.2x names the KV cache argument / output `cache` (`past_key_values` before)
+        self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def set_threads(self, n: int) -> None:
         self.torch.set_num_threads(n)
 
+    def reference_f32(self, prompt: list[int], n: int) -> list[int]:
+        """Greedy tokens of the same checkpoint loaded in float32 (untimed): the same-model check.
+        (bf16 compute rounds activations at every op: on random weights its greedy tokens part
+        from any f32-accumulating engine after a few steps.)"""
+        timed = self.model
+        self.model = type(timed).from_pretrained(self.src_dir, **{self.dtype_kw: self.torch.float32}).eval()
+        try:
+            return self.decode(prompt, n)[0]
+        finally:
+            self.model = timed
+
     def decode(self, prompt: list[int], n: int) -> tuple[list[int], float]:
-        torch = self.torch
+        torch, kw = self.torch, self.cache_kw
         tokens = []
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
-            past, logits = out.past_key_values, out.logits[0, -1]
+            out = self.model(input_ids=torch.tensor([list(prompt)]), use_cache=True, logits_to_keep=1)
+            cache, logits = getattr(out, kw), out.logits[0, -1]
             t0 = time.perf_counter()
             for _ in range(n):
                 tok = int(torch.argmax(logits))
                 tokens.append(tok)
-                out = self.model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[0, -1]
+                out = self.model(input_ids=torch.tensor([[tok]]), use_cache=True, **{kw: cache})
+                cache, logits = getattr(out, kw), out.logits[0, -1]
             return tokens, time.perf_counter() - t0
 
 
@@ -437,7 +456,7 @@ def main(args) -> int:
     print(f"measuring memory read bandwidth ({args.bw_gib:g} GiB array, threads {args.threads}) ...", file=sys.stderr)
     bandwidth = read_bandwidth(args.threads, args.bw_gib)
 
-    results, agree, reference = {}, {}, {}
+    results, agree, reference, hf_f32 = {}, {}, {}, None
     for t in args.threads:
         for e in engines:
             e.set_threads(t)
@@ -450,6 +469,12 @@ def main(args) -> int:
         ref = warm["dflash2-numba"]
         reference[str(t)] = ref[:args.check_tokens]
         agree[str(t)] = {n: agreement(ref, warm[n], args.check_tokens) for n in names if n != "dflash2-numba"}
+        if "transformers" in warm:  # torch computes in bf16: the same-model check runs it in f32
+            if hf_f32 is None:
+                hf_f32 = next(e for e in engines if e.name == "transformers").reference_f32(prompt, args.check_tokens)
+            vs = agreement(ref, hf_f32, args.check_tokens)
+            agree[str(t)]["transformers"]["f32_vs_dflash2_numba"] = vs
+            agree[str(t)]["transformers"]["ok"] = vs["ok"]  # bf16 compute may part early: reported only
         if str(args.threads[0]) != str(t) and ref[:args.check_tokens] != reference[str(args.threads[0])]:
             warnings.append(f"dflash2-numba's greedy tokens at {t} threads differ from those at {args.threads[0]}")
         rounds = []
@@ -511,6 +536,10 @@ def main(args) -> int:
         for n, a in per.items():
             print(f"greedy agreement with dflash2-numba at {t} threads, first {a['compared']} tokens: {n} "
                   f"{a['positions_agree']}/{a['compared']} positions, identical prefix {a['prefix_agree']}")
+            if "f32_vs_dflash2_numba" in a:
+                b = a["f32_vs_dflash2_numba"]
+                print(f"    ({n} is timed in bf16; the same model loaded in float32 (untimed) agrees on "
+                      f"{b['positions_agree']}/{b['compared']} positions, identical prefix {b['prefix_agree']})")
     for w in warnings:
         print(f"warning: {w}")
     not_same = sorted({(x["engine"], t) for t, r in results.items() for x in r["rounds"] if not x["same_tokens_as_warmup"]})
@@ -528,7 +557,8 @@ def main(args) -> int:
         "engines": {e.name: {"load_s": e.load_s} for e in engines}, "skipped": skipped,
         "load_average": {"before": list(load_before), "after": list(load_after)},
         "read_bandwidth": bandwidth, "results": results,
-        "agreement": agree, "reference_tokens": reference, "agreement_failures": failed, "warnings": warnings,
+        "agreement": agree, "reference_tokens": reference, "transformers_f32_tokens": hf_f32,
+        "agreement_failures": failed, "warnings": warnings,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
