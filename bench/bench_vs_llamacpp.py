@@ -6,34 +6,44 @@
 
 The model is the ~120M-parameter random Qwen3 bf16 checkpoint that bench/bench_target.py writes
 (its SHAPE / model_dir(): hidden 768, inter 2048, 12 layers, 12 heads, 4 KV heads, head_dim 64,
-vocab 32000, untied head). Engines, each decoding greedily one token at a time over its KV cache
-after a prompt of fixed token ids (only the single-token steps are timed; argmax included):
+vocab 32000, untied head). Each engine decodes greedily one token at a time over its KV cache
+after the same prompt of fixed token ids (default_rng(0), 16 ids below 1000); only the
+single-token steps are timed (argmax included):
 
   dflash2-numba  TargetModel.load(dir, device="cpu"): bf16 weights, f32 compute (numba kernels)
   llama.cpp      llama-cpp-python on a bf16 GGUF of the SAME weights, written by this script from
-                 the safetensors (write_gguf; cached next to the model, rewritten when GGUF_LAYOUT
-                 changes): `qwen3` architecture, matrices BF16 as stored, norms F32, vocabulary
-                 `tokenizer.ggml.model = "none"` + `qwen3.vocab_size` (llama.cpp then makes
-                 vocab_size dummy tokens and evaluates raw ids; there is no text tokenizer)
+                 the safetensors (write_gguf; cached next to the model, rewritten when missing,
+                 stale or of another GGUF_LAYOUT): `qwen3` architecture, matrices BF16 as
+                 stored, norms F32, vocabulary `tokenizer.ggml.model = "none"` + `qwen3.vocab_size`
+                 (llama.cpp then makes vocab_size dummy tokens and evaluates raw ids; there is no
+                 text tokenizer). n_ctx 512, n_batch 512, logits_all False, llm.eval([tok]) per
+                 step, argmax over llama_get_logits_ith(ctx, -1)
   transformers   AutoModelForCausalLM in torch.bfloat16 (weights as stored, bf16 compute), manual
-                 loop with past_key_values
+                 loop feeding back the KV cache (`cache` in transformers 5.2x, else past_key_values)
 
 For each thread count (numba.set_num_threads / llama_set_n_threads(n, n) / torch.set_num_threads)
 the engines are warmed up once (a full untimed decode: numba compiles on first use) and then
 timed alternately round by round (A, B, C, A, B, C, ...) for --rounds rounds, because the decode
 speed of any engine moves 15-20% with where a file's pages land in memory; the table shows each
-engine's MEDIAN round. Also measured in the same run: memory READ bandwidth at each thread count
-(numba parallel sum over a --bw-gib GiB array read as uint64 words, best of 5), from which each
-engine's weight GB/s (bytes of every layer matrix + the head, 2 bytes/param, per token / seconds
-per token) is put as a % of the read bandwidth.
+engine's MEDIAN round and the ratios this-project / llama.cpp and this-project / transformers
+(of the medians; the median of the per-round ratios beside it). Also measured in the same run:
+memory READ bandwidth at each thread count (numba parallel sum over a --bw-gib GiB array read as
+uint64 words, best of 5 runs before and 5 after the rounds), against which each engine's weight
+GB/s (bytes of every layer matrix + the head at 2 bytes/param per token / seconds per token) is
+put as a %. (A plain sum loop is not the machine's peak: a % near or above 100 says the engine
+streams weights as fast as such a loop can.)
 
-Correctness check: the first --check-tokens greedy tokens of llama.cpp and transformers against
-ours (how many agree, where they first differ). bf16 GGUF / bf16 torch vs our f32 accumulation
-may part late on random weights: reported, not asserted. But if the first few tokens of llama.cpp
-differ, the GGUF conversion is wrong: the script says so loudly and exits 1 (after the JSON).
+Correctness check, on the warm-up tokens: the first --check-tokens greedy tokens of llama.cpp
+and transformers against ours (positions that agree, identical prefix). bf16 GGUF kernels and
+our f32 accumulation may part late on random weights: reported, not asserted; but if the first
+4 tokens of llama.cpp differ, the GGUF conversion is wrong: the script says so loudly and exits 1
+(after writing the JSON). transformers computes in bf16 (activations rounded at every op), which
+on this random model parts from any f32 engine after a few tokens; its same-model check is an
+extra untimed run of the checkpoint loaded in float32 (the first 4 tokens must agree, same exit).
 
 Writes bench/results/vs_llamacpp.json: machine (CPU model, avx2/avx512f/avx512_bf16/amx flags),
-versions, load average before/after, bandwidth, every round's numbers, medians, ratios, agreement.
+versions, llama.cpp's system info, load average before/after (and per round), bandwidth, every
+round's numbers, medians, ratios, agreement and the reference tokens.
 
 Engines that are not installed are skipped with a line saying so (the rest still run). Install:
 
@@ -43,9 +53,9 @@ Engines that are not installed are skipped with a line saying so (the rest still
 (llama-cpp-python builds from source: ~12 minutes, needs cmake and g++.)
 
 On llama.cpp: its AMX / repacked-weight ("extra buffer type") kernels crashed on some AVX-512 VMs;
---llama-no-extra-bufts loads with model params use_extra_bufts = false. On a machine whose cores
-are shared with other work, multi-threaded results of every engine collapse (spin-waiting
-threads); the load average before / after and per round is recorded for that reason.
+--llama-no-extra-bufts loads with the model param use_extra_bufts = false. On a machine whose
+cores are shared with other work, multi-threaded results of every engine collapse (spin-waiting
+threads): the load average is recorded for that reason, and --pause sleeps between engine runs.
 """
 
 from __future__ import annotations
@@ -276,7 +286,9 @@ class LlamaCppEngine:
         import llama_cpp.llama as llama_mod
 
         self.llama_cpp = llama_cpp
+        t0 = time.perf_counter()
         path = cached_gguf(src_dir)
+        self.gguf_s = time.perf_counter() - t0  # 0 unless written now
         n0 = args.threads[0]
         n_ctx = max(512, args.prompt_len + max(args.tokens, args.check_tokens) + 16)
         kw = dict(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=n0, n_threads_batch=n0,
@@ -296,11 +308,17 @@ class LlamaCppEngine:
             self.llm = llama_cpp.Llama(**kw)
         finally:
             low.llama_model_default_params = orig
+        self.use_extra_bufts = bool(self.llm.model_params.use_extra_bufts)
+        if args.llama_no_extra_bufts and self.use_extra_bufts:
+            raise RuntimeError("use_extra_bufts = false did not reach llama.cpp's model params")
         self.n_vocab = self.llm.n_vocab()
         self.system_info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
 
     def set_threads(self, n: int) -> None:
         self.llama_cpp.llama_set_n_threads(self.llm._ctx.ctx, n, n)
+        got = self.llama_cpp.llama_n_threads(self.llm._ctx.ctx)
+        if got != n:
+            raise RuntimeError(f"llama_set_n_threads({n}) left llama.cpp at {got} threads")
 
     def _last_logits(self) -> np.ndarray:
         ptr = self.llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
@@ -382,7 +400,8 @@ def machine_facts() -> dict:
         model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), None)
         flags_line = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
         facts["cpu_model"] = model
-        facts["flags"] = {f: f in flags_line for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")}
+        facts["flags"] = {f: f in flags_line
+                          for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")}
     except OSError:
         facts["cpu_model"] = platform.processor() or None
     try:
@@ -412,6 +431,13 @@ def agreement(ref: list[int], other: list[int], n: int) -> dict:
             "positions_agree": sum(x == y for x, y in zip(a, b)),
             "first_divergence": None if prefix == min(len(a), len(b)) else prefix,
             "ok": prefix >= min(MUST_AGREE, n)}
+
+
+def engine_facts(e) -> dict:
+    facts = {"load_s": e.load_s}
+    if e.name == "llama.cpp":
+        facts.update(gguf_check_or_write_s=e.gguf_s, use_extra_bufts=e.use_extra_bufts)
+    return facts
 
 
 def loud(lines: list[str]) -> None:
@@ -454,7 +480,7 @@ def main(args) -> int:
 
     wbytes = weight_bytes_per_token(src)
     print(f"measuring memory read bandwidth ({args.bw_gib:g} GiB array, threads {args.threads}) ...", file=sys.stderr)
-    bandwidth = read_bandwidth(args.threads, args.bw_gib)
+    bw_before = read_bandwidth(args.threads, args.bw_gib)
 
     results, agree, reference, hf_f32 = {}, {}, {}, None
     for t in args.threads:
@@ -487,7 +513,15 @@ def main(args) -> int:
                 print(f"  threads {t} round {r} {e.name:14s} {args.tokens / secs:8.2f} tokens/s", file=sys.stderr,
                       flush=True)
                 time.sleep(args.pause)
-        bw = bandwidth[str(t)]["best_gbs"]
+        results[str(t)] = {"rounds": rounds}
+    load_after = os.getloadavg()
+    print("measuring memory read bandwidth again ...", file=sys.stderr)
+    bw_after = read_bandwidth(args.threads, args.bw_gib)
+    bandwidth = {t: {"best_gbs": max(bw_before[t]["best_gbs"], bw_after[t]["best_gbs"]),
+                     "before_gbs": bw_before[t]["runs_gbs"], "after_gbs": bw_after[t]["runs_gbs"]} for t in bw_before}
+
+    for t, res in results.items():  # medians against the best read bandwidth of either pass
+        rounds, bw = res["rounds"], bandwidth[t]["best_gbs"]
         med = {}
         for n in names:
             tps = statistics.median(x["tokens_per_s"] for x in rounds if x["engine"] == n)
@@ -501,18 +535,22 @@ def main(args) -> int:
             per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(
                 [x for x in rounds if x["engine"] == "dflash2-numba"], [x for x in rounds if x["engine"] == n])]
             paired[f"dflash2-numba/{n}"] = statistics.median(per_round)
-        results[str(t)] = {"rounds": rounds, "median": med, "ratio_of_medians": ratios,
-                           "median_of_paired_ratios": paired, "read_bandwidth_gbs": bw}
-    load_after = os.getloadavg()
+        res.update(median=med, ratio_of_medians=ratios, median_of_paired_ratios=paired, read_bandwidth_gbs=bw)
 
     # ---- report
     failed = []
     for t, per in agree.items():
         for n, a in per.items():
             if not a["ok"]:
-                failed.append(f"{n} at {t} threads: its first greedy tokens differ from dflash2-numba's "
-                              f"(agree for {a['prefix_agree']} of the first {MUST_AGREE}) -> "
-                              + ("the GGUF conversion is WRONG" if n == "llama.cpp" else "the engines do not compute the same model"))
+                if n == "llama.cpp":
+                    failed.append(f"llama.cpp at {t} threads: its first greedy tokens differ from dflash2-numba's "
+                                  f"(agree for {a['prefix_agree']} of the first {MUST_AGREE}) -> the GGUF conversion "
+                                  "is WRONG")
+                else:
+                    b = a["f32_vs_dflash2_numba"]
+                    failed.append(f"{n} in float32: its first greedy tokens differ from dflash2-numba's (agree for "
+                                  f"{b['prefix_agree']} of the first {MUST_AGREE}) -> the engines do not compute the "
+                                  "same model")
     print()
     print(f"model: random Qwen3 {SHAPE}, bf16 weights ({wbytes / 1e6:.1f} MB read per token); prompt "
           f"{args.prompt_len} ids, {args.tokens} timed single-token steps, median of {args.rounds} alternating rounds")
@@ -522,7 +560,8 @@ def main(args) -> int:
         print(f"skipped {n}: {why}")
     for t in args.threads:
         res = results[str(t)]
-        print(f"\nthreads {t}: measured read bandwidth {res['read_bandwidth_gbs']:.2f} GB/s")
+        print(f"\nthreads {t}: measured read bandwidth {res['read_bandwidth_gbs']:.2f} GB/s "
+              "(best of the passes before and after the rounds)")
         print(f"  {'engine':15s} {'tokens/s':>9s} {'ms/token':>9s} {'weight GB/s':>12s} {'% read BW':>10s} "
               f"{'rounds (tokens/s)':s}")
         for n in names:
@@ -542,7 +581,8 @@ def main(args) -> int:
                       f"{b['positions_agree']}/{b['compared']} positions, identical prefix {b['prefix_agree']})")
     for w in warnings:
         print(f"warning: {w}")
-    not_same = sorted({(x["engine"], t) for t, r in results.items() for x in r["rounds"] if not x["same_tokens_as_warmup"]})
+    not_same = sorted({(x["engine"], t) for t, r in results.items()
+                       for x in r["rounds"] if not x["same_tokens_as_warmup"]})
     for n, t in not_same:
         print(f"warning: {n} at {t} threads: a timed round's tokens differ from its warm-up's")
 
@@ -554,7 +594,7 @@ def main(args) -> int:
                      "check_tokens": args.check_tokens, "pause_s": args.pause, "bw_gib": args.bw_gib,
                      "llama_no_extra_bufts": args.llama_no_extra_bufts, "model_shape": SHAPE, "model_dir": str(src),
                      "weight_bytes_per_token": wbytes, "gguf_layout": GGUF_LAYOUT},
-        "engines": {e.name: {"load_s": e.load_s} for e in engines}, "skipped": skipped,
+        "engines": {e.name: engine_facts(e) for e in engines}, "skipped": skipped,
         "load_average": {"before": list(load_before), "after": list(load_after)},
         "read_bandwidth": bandwidth, "results": results,
         "agreement": agree, "reference_tokens": reference, "transformers_f32_tokens": hf_f32,
