@@ -54,6 +54,7 @@ class ConvSpy:
 
     def __init__(self, draft):
         self.calls, self.inner = [], draft.ops.grouped_conv
+        draft.fused = False  # the spy watches the op-by-op call sites; test_fused.py: fused == op by op
         draft.ops = dataclasses.replace(draft.ops, grouped_conv=self)
 
     def __call__(self, x, delta, base, group_size, block_len):

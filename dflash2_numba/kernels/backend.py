@@ -15,6 +15,7 @@ Contracts (all float32 activations):
     grouped_conv(x, delta, base, group_size, block_len)                    (kernels/conv.py, §4.2)
     rms_norm(x [..., D], w [D], eps, bf16) -> [..., D]       (kernels/rowwise.py; models/layers.py)
     apply_rope(x [n, heads, hd], cos [n, hd], sin [n, hd], bf16) -> [n, heads, hd]   (the same)
+    swiglu(gate [n, I], up [n, I], bf16) -> [n, I]                                  (the same)
     prepare_weight(w) -> the array to hand to linear (identity, or an f32 copy)
     short_conv(window [K-1+n, C], w [C, K], bf16) -> [n, C]                (kernels/gdn.py)
     gated_delta(q, k, v, g, beta, state_in, state_out) -> o [n, Hv, dv]    (kernels/gdn.py)
@@ -77,6 +78,7 @@ class Ops:
     prepare_weight: Callable[[np.ndarray], np.ndarray]
     rms_norm: Callable = layers.rms_norm  # numpy reference unless a device brings a kernel
     apply_rope: Callable = layers.apply_rope
+    swiglu: Callable = layers.swiglu
     short_conv: Callable = gdn.short_conv  # Gated DeltaNet targets (models/qwen3_5.py)
     gated_delta: Callable = gdn.gated_delta_rule
 
@@ -96,7 +98,8 @@ def get_ops(device: str = "cpu") -> Ops:
     if device == "cpu":
         check_kernel_cache()  # a corrupt numba cache file: a named error, not a traceback mid-run
         conv, _ = _conv_kernels()
-        return Ops("cpu", linear, attention, conv, _keep, rowwise.rms_norm, rowwise.apply_rope)
+        return Ops("cpu", linear, attention, conv, _keep, rowwise.rms_norm, rowwise.apply_rope,
+                   rowwise.swiglu)
     if device == "numpy":
         _, conv = _conv_kernels()
         return Ops("numpy", linear_reference, attention_reference, conv, as_f32,

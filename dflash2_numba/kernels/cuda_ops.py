@@ -87,6 +87,7 @@ class CudaOps:
     device = "cuda"
     rms_norm = staticmethod(rowwise.rms_norm)
     apply_rope = staticmethod(rowwise.apply_rope)
+    swiglu = staticmethod(rowwise.swiglu)
 
     def __init__(self):
         if not cuda_available():

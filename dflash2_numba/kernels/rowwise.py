@@ -144,3 +144,31 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, bf16: bool = Fal
     _rope_rows(x, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
                bool(bf16), out)
     return out
+
+
+@njit(cache=True)
+def _swiglu_rows(g, u, bf16, out):
+    """g, u [rows, I] f32 -> out = rnd?(rnd?(silu(g)) * u), silu(x) = x / (1 + exp(-x)) in f32
+    (exp overflow for very negative x gives -0, as torch). One definition for the op-by-op CPU
+    path and the fused layer (kernels/fused.py), so the two agree bit for bit; against numpy's
+    exp (models/layers.swiglu, the "numpy" device) it may differ in the last ulp."""
+    rows, I = g.shape
+    for r in range(rows):
+        for j in range(I):
+            x = g[r, j]
+            s = x / (np.float32(1.0) + np.exp(-x))
+            if bf16:
+                s = round_bf16(s)
+            y = s * u[r, j]
+            out[r, j] = round_bf16(y) if bf16 else y
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray, bf16: bool = False) -> np.ndarray:
+    """Same contract as models.layers.swiglu: silu(gate) * up, [n, I] -> [n, I] f32."""
+    g = np.ascontiguousarray(gate, dtype=np.float32)
+    u = np.ascontiguousarray(up, dtype=np.float32)
+    if g.shape != u.shape or g.ndim != 2:
+        raise ValueError(f"swiglu: gate {list(g.shape)}, up {list(u.shape)}")
+    out = np.empty(g.shape, dtype=np.float32)
+    _swiglu_rows(g, u, bool(bf16), out)
+    return out

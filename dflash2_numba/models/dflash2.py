@@ -32,6 +32,7 @@ import sys
 import numpy as np
 
 from ..inventory import expected_draft_tensors
+from ..kernels import fused
 from ..decode.drafter import Proposal, valid_vocab
 from ..decode.sampling import SamplingParams
 from ..numerics import as_f32, bf16_to_f32_array, f32_to_bf16_array
@@ -106,6 +107,18 @@ class DFlash2Draft(DFlashDraft):
     def conv_finish(self, layer: dict, name: str, y: np.ndarray, coef, n_rows: int) -> np.ndarray:
         """conv(y, delta[:, 1], base[1]): the side-1 coefficients kept by prepare."""
         return self._conv(y, coef, layer[name]["base"][1], n_rows)
+
+    # ------------------------------------------------------------------ the fused engine
+    def _fused_conv(self, layer: dict) -> tuple:
+        """(attention proj, mlp proj, attention base, mlp base) for fused.decoder_layer."""
+        return (layer["attention_conv"]["proj"], layer["mlp_conv"]["proj"],
+                layer["attention_conv"]["base"], layer["mlp_conv"]["base"])
+
+    def _fused_shape(self, n_rows: int) -> tuple:
+        """The conv block length is the runtime Q of the step (spec §4.2)."""
+        c = self.config
+        return fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                self.taps, self.group_size, n_rows)
 
     # ------------------------------------------------------------------ proposing
     def propose(self, state: KVCache, anchor_id: int, anchor_pos: int, n_rows: int,

@@ -34,6 +34,7 @@ from ..inventory import expected_draft_tensors
 from ..decode.drafter import LazyInfo, Proposal, valid_vocab
 from ..decode.sampling import SamplingParams, mask_padded, sample_token, target_probs
 from ..errors import GenerationArgumentError
+from ..kernels import fused
 from ..numerics import as_f32
 from .layers import RopeTables, mlp, rnd_if
 from .selector import _top_k_rows
@@ -154,6 +155,14 @@ class DFlashDraft:
         cos, sin = self.rope.span(pos[0], Q) if R == 1 else self.rope(pos)  # [R*Q, hd]
 
         h = self.embed_block(anchor_ids, Q)  # [R*Q, H]
+        if R == 1 and self._fusable():  # one numba call per layer (kernels/fused.py): same bits
+            st, p = states[0], int(anchor_positions[0])
+            shape, k_pos, pmm = self._fused_shape(Q), np.arange(p + Q), fused.parallel_min_macs()
+            for i, L in enumerate(self.layers):
+                fused.decoder_layer(h, L["fused_weights"], L["fused_norms"], self._fused_conv(L), st.k[i], st.v[i],
+                                    p, pos, k_pos, cos, sin, shape, L["causal"], L["window"],
+                                    np.float32(eps), bf16, pmm)
+            return ops.rms_norm(h, self.norm, eps, bf16)  # [Q, H]
         for i, L in enumerate(self.layers):
             a = ops.rms_norm(h, L["ln1"], eps, bf16)  # [R*Q, H]
             a, k_att = self.conv_prepare(L, "attention_conv", a, Q)
@@ -175,9 +184,34 @@ class DFlashDraft:
 
             m = ops.rms_norm(h, L["ln2"], eps, bf16)  # [R*Q, H]
             m, k_mlp = self.conv_prepare(L, "mlp_conv", m, Q)
-            y = mlp(m, L["gate"], L["up"], L["down"], linear, bf16)  # [R*Q, H]
+            y = mlp(m, L["gate"], L["up"], L["down"], linear, bf16, ops.swiglu)  # [R*Q, H]
             h = rnd_if(h + self.conv_finish(L, "mlp_conv", y, k_mlp, Q), bf16)
         return ops.rms_norm(h, self.norm, eps, bf16)  # [R*Q, H]
+
+    # ------------------------------------------------------------------ the fused engine
+    fused = True  # False: op by op (the reference the fused engine is tested against)
+
+    def _fusable(self) -> bool:
+        """The fused layer applies on the numba CPU device when every layer's weights are ones
+        the GEMV reads (checked once; fused.can_fuse)."""
+        if not self.fused or self.ops.device != "cpu":
+            return False
+        if not hasattr(self, "_fused_ok"):
+            self._fused_ok = True
+            for L in self.layers:
+                L["fused_weights"] = tuple(L[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
+                L["fused_norms"] = (L["ln1"], L["ln2"], L["q_norm"], L["k_norm"])
+                conv_weights = tuple(w for w in self._fused_conv(L)[:2] if w.size)  # DFlash2's projections
+                self._fused_ok &= fused.can_fuse(1, L["fused_weights"] + conv_weights)
+        return self._fused_ok
+
+    def _fused_conv(self, layer: dict) -> tuple:
+        """The conv tuple of fused.decoder_layer: DFlash v1 has none."""
+        return fused.NO_CONV
+
+    def _fused_shape(self, n_rows: int) -> tuple:
+        c = self.config
+        return fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
 
     # ------------------------------------------------------------------ proposing
     def _check_propose(self, n_rows: int) -> None:

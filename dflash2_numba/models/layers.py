@@ -101,8 +101,8 @@ def swiglu(gate: np.ndarray, up: np.ndarray, bf16: bool = False) -> np.ndarray:
     return rnd_if(rnd_if(silu(gate), bf16) * up, bf16)
 
 
-def mlp(x, w_gate, w_up, w_down, linear, bf16: bool = False) -> np.ndarray:
-    """down(silu(gate(x)) * up(x)). x [n, H] -> [n, H]; `linear` is ops.linear."""
+def mlp(x, w_gate, w_up, w_down, linear, bf16: bool = False, swiglu=swiglu) -> np.ndarray:
+    """down(silu(gate(x)) * up(x)). x [n, H] -> [n, H]; `linear` and `swiglu` are the ops'."""
     g = rnd_if(linear(x, w_gate), bf16)  # [n, I]
     u = rnd_if(linear(x, w_up), bf16)  # [n, I]
     return rnd_if(linear(swiglu(g, u, bf16), w_down), bf16)  # [n, H]

@@ -156,5 +156,5 @@ class MuseGlimmerTarget(TargetModel):
         h = rnd_if(h + self._norm(a, layer["post_attention_layernorm"], post_eps), bf16)  # branch norm
 
         y = self._norm(h, layer["pre_feedforward_layernorm"], eps)  # [n, H]
-        m = mlp(y, layer["gate"], layer["up"], layer["down"], linear, bf16)  # [n, H]
+        m = mlp(y, layer["gate"], layer["up"], layer["down"], linear, bf16, self.ops.swiglu)  # [n, H]
         return rnd_if(h + self._norm(m, layer["post_feedforward_layernorm"], post_eps), bf16)

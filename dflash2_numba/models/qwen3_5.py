@@ -144,7 +144,7 @@ class Qwen3_5Model:
 
     def _mlp(self, p, x):
         """The dense SwiGLU MLP [n, H] -> [n, H] (the seam for a MoE MLP)."""
-        return mlp(x, p["gate"], p["up"], p["down"], self.ops.linear, self.bf16)
+        return mlp(x, p["gate"], p["up"], p["down"], self.ops.linear, self.bf16, self.ops.swiglu)
 
     def _attention(self, i, layer, x, cache, start):
         """Gated full attention: q_proj emits [query | gate] per head; zero-centred q/k norms;

@@ -29,6 +29,7 @@ from ..checkpoint import Checkpoint, open_checkpoint
 from ..config import TargetConfig, load_target_config
 from ..inventory import expected_target_tensors
 from ..errors import GenerationArgumentError
+from ..kernels import fused
 from ..kernels.backend import Ops, get_ops
 from ..numerics import DTYPE_MODES, as_f32
 from .layers import RopeTables, embedding, mlp, rnd_if
@@ -118,6 +119,28 @@ class TargetModel:
                 layer["q_norm"] = as_f32(get(p + "self_attn.q_norm.weight"))  # [hd]
                 layer["k_norm"] = as_f32(get(p + "self_attn.k_norm.weight"))  # [hd]
             self.layers.append(layer)
+        self._fused_layers = self._fuse_layers()
+
+    # ------------------------------------------------------------------ the fused engine
+    fused = True  # False: every layer runs op by op (the reference the fused engine is tested against)
+
+    def _fuse_layers(self) -> list | None:
+        """Per layer, the argument tuples of kernels/fused.decoder_layer (weights, norms, conv),
+        or None where the fused engine does not apply: not the numba CPU device, or weights the
+        GEMV does not read (fused.can_fuse). Subclasses with their own layers (Muse-Glimmer)
+        override `_layer` and never reach it."""
+        if self.ops.device != "cpu":
+            return None
+        c, out = self.config, []
+        no_norm = np.empty(0, np.float32)
+        for L in self.layers:
+            weights = tuple(L[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
+            if not fused.can_fuse(1, weights):
+                return None
+            norms = (L["ln1"], L["ln2"], L.get("q_norm", no_norm), L.get("k_norm", no_norm))
+            out.append((weights, norms, fused.NO_CONV))
+        self._fused_shape = fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        return out
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "f32") -> "TargetModel":
@@ -194,6 +217,12 @@ class TargetModel:
     def _layer(self, i, layer, h, cache, start, q_pos, k_pos, cos, sin):
         """One decoder layer on h [n, H] at positions q_pos; writes K/V i of the cache."""
         c, bf16, ops, linear = self.config, self.bf16, self.ops, self.ops.linear
+        if self.fused and self._fused_layers is not None and fused.can_fuse(h.shape[0], ()):
+            h = np.ascontiguousarray(h, dtype=np.float32)  # updated in place by the fused layer
+            fused.decoder_layer(h, *self._fused_layers[i], cache.k[i], cache.v[i], start, q_pos, k_pos,
+                                cos, sin, self._fused_shape, True, self.layer_windows[i],
+                                np.float32(c.rms_norm_eps), bf16, fused.parallel_min_macs())
+            return h
         n, nh, nkv, hd, eps = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
 
         a = ops.rms_norm(h, layer["ln1"], eps, bf16)  # [n, H]
@@ -216,7 +245,7 @@ class TargetModel:
         h = rnd_if(h + rnd_if(linear(o, layer["o"]), bf16), bf16)  # [n, H]
 
         m = ops.rms_norm(h, layer["ln2"], eps, bf16)  # [n, H]
-        return rnd_if(h + mlp(m, layer["gate"], layer["up"], layer["down"], linear, bf16), bf16)
+        return rnd_if(h + mlp(m, layer["gate"], layer["up"], layer["down"], linear, bf16, ops.swiglu), bf16)
 
 
 def forward_ids(ids, tap_layers: Sequence[int], num_layers: int, who: str) -> np.ndarray:

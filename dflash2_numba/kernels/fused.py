@@ -1,0 +1,222 @@
+"""The fused CPU engine: ONE numba call per decoder layer (Qwen3 / Llama targets, DFlash and
+DFlash2 draft layers), instead of ~15 kernel calls with numpy glue between them.
+
+    decoder_layer(h [n, H] f32 (updated in place), weights, norms, conv, kbuf, vbuf,
+                  start, q_pos [n], k_pos [T], cos [n, hd], sin [n, hd], layer_args)
+
+One layer, pre-norm (spec §2.1; the draft's conv call sites of spec §4.1 when `conv` is given):
+    a = rms(h, ln1);  a, d1 = conv_prepare(a)                       (DFlash2 only)
+    q, k, v = a Wq^T, a Wk^T, a Wv^T;  q, k = rope(qk_norm(q, k))      (qk norm: Qwen3, drafts)
+    K/V of the n rows -> kbuf / vbuf at positions start..start+n-1
+    h = h + conv_finish(attention(q, K, V) Wo^T, d1)
+    m = rms(h, ln2);  m, d2 = conv_prepare(m)
+    h = h + conv_finish(down(silu(m Wg^T) * (m Wu^T)), d2)
+
+It is the op-by-op path (models/target.py `_layer`, models/draft.py `block_forward`) with the
+Python between the kernels removed, and it calls THE SAME kernels in the same order: the GEMV
+of kernels/linear.py, RMSNorm / RoPE / SwiGLU of kernels/rowwise.py, attention of
+kernels/attention.py, the grouped conv of kernels/conv.py. So its output is bit-identical to
+the op-by-op path in both run modes (f32; bf16 with the per-op rounding of spec §6), which
+stays the reference it is tested against (tests/test_fused.py, array_equal).
+
+Threads: each product (GEMV, attention) is split over numba's threads inside this call when it
+is at least `par_min_macs` multiply-adds (the measured threshold of kernels/linear.py, or
+"never" with one thread); everything else runs on the calling thread.
+
+Rows: 1..GEMV_MAX_ROWS (decode, verify, draft block). A longer prefill takes the op-by-op path,
+whose GEMV hands big products to BLAS. A new layer kind (the hybrid targets' Gated DeltaNet)
+slots in as another fused layer function beside this one.
+"""
+
+import numba
+import numpy as np
+from numba import njit
+
+from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
+from .attention import TRANSPOSE_MIN_ROWS, _attention_par, _attention_ser
+from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
+from .linear import GEMV_MAX_ROWS, PARALLEL_MIN_MACS, _gemv_par, _gemv_ser
+from .rowwise import _rms_norm_rows, _rope_rows, _swiglu_rows
+
+NEVER = np.iinfo(np.int64).max  # par_min_macs with one thread: no product goes parallel
+NO_CONV = (np.empty((0, 0), np.float32),) * 2 + (np.empty((0, 0, 0), np.float32),) * 2  # v1 / targets
+
+
+def parallel_min_macs() -> int:
+    """The size from which a product is split over threads: the GEMV's measured threshold when
+    numba runs more than one thread, else never (read at every call: tests and the warm-up
+    lower the threshold to reach the parallel drivers)."""
+    from . import linear
+
+    return linear.PARALLEL_MIN_MACS if numba.get_num_threads() > 1 else NEVER
+
+
+# ------------------------------------------------------------------ pieces
+@njit(inline="always")
+def _rnd(x, bf16):
+    """x = rnd(x) in place in bf16 mode (x C-contiguous, any rank); nothing in f32 mode."""
+    if bf16:
+        flat = x.reshape(x.size)
+        for i in range(flat.size):
+            flat[i] = round_bf16(flat[i])
+
+
+@njit(inline="always")
+def _linear(x, w, par_min_macs, bf16):
+    """rnd?(x @ w.T): x [M, K] f32, w [N, K] -> [M, N] f32, with kernels/linear.py's kernels."""
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)  # [M, N]
+    if x.shape[0] * w.shape[0] * w.shape[1] >= par_min_macs:
+        _gemv_par(x, w, y)
+    else:
+        _gemv_ser(x, w, y)
+    _rnd(y, bf16)
+    return y
+
+
+@njit(inline="always")
+def _rms(x, w, eps, bf16):
+    """RMSNorm over the last axis of x [rows, D] -> new [rows, D]."""
+    out = np.empty(x.shape, np.float32)
+    _rms_norm_rows(x, w, eps, bf16, out)
+    return out
+
+
+@njit(inline="always")
+def _add_residual(h, y, bf16):
+    """h = rnd?(h + y) in place; h, y [n, H]."""
+    for i in range(h.shape[0]):
+        for j in range(h.shape[1]):
+            s = h[i, j] + y[i, j]
+            h[i, j] = round_bf16(s) if bf16 else s
+
+
+@njit(inline="always")
+def _conv(x, delta, base, group_size, block_len, and_arm, bf16):
+    """The grouped dynamic conv (spec §4.2) on x [n, H] with delta [n, taps, G] and base
+    [taps, H] (f32, or bf16 bits in bf16 mode) -> [n, H] f32, as DFlash2Draft._conv."""
+    n, H = x.shape
+    out = np.empty((n, H), np.float32)
+    if not bf16:
+        _grouped_conv_f32(x, delta, base, out, group_size, block_len, and_arm)
+        return out
+    xb = np.empty((n, H), np.uint16)  # the kernel takes all-bf16 bits in bf16 mode
+    for i in range(n):
+        for c in range(H):
+            xb[i, c] = f32_to_bf16(x[i, c])
+    db = np.empty(delta.shape, np.uint16)
+    for i in range(delta.shape[0]):
+        for t in range(delta.shape[1]):
+            for g in range(delta.shape[2]):
+                db[i, t, g] = f32_to_bf16(delta[i, t, g])
+    ob = np.empty((n, H), np.uint16)
+    _grouped_conv_bf16(xb, db, base, ob, group_size, block_len, and_arm)
+    for i in range(n):
+        for c in range(H):
+            out[i, c] = bf16_to_f32(ob[i, c])
+    return out
+
+
+@njit(inline="always")
+def _conv_prepare(x, proj, base, taps, group_size, block_len, and_arm, par_min_macs, bf16):
+    """-> (conv(x, delta[:, 0], base[0]), delta[:, 1]) with delta = rnd?(x proj^T) viewed
+    [n, side, tap, group]: DFlash2Draft.conv_prepare."""
+    n = x.shape[0]
+    delta = _linear(x, proj, par_min_macs, bf16)  # [n, 2*taps*G]
+    delta = delta.reshape(n, 2, taps, delta.shape[1] // (2 * taps))  # [n, side, tap, group]
+    # C-contiguous copies, as kernels/conv.grouped_conv makes: one kernel specialisation
+    return (_conv(x, np.ascontiguousarray(delta[:, 0]), base[0], group_size, block_len, and_arm, bf16),
+            np.ascontiguousarray(delta[:, 1]))
+
+
+@njit(inline="always")
+def _attention(q, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, bf16):
+    """kernels/attention.attention on q [n, nh, hd] over rows 0..T-1 of kbuf / vbuf."""
+    out = np.empty(q.shape, np.float32)
+    T = k_pos.shape[0]
+    transposed = q.shape[0] * q.shape[1] // kbuf.shape[0] >= TRANSPOSE_MIN_ROWS
+    if q.size * T >= par_min_macs:
+        _attention_par(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, bf16, out, transposed)
+    else:
+        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, bf16, out, transposed)
+    return out
+
+
+# ------------------------------------------------------------------ the layer
+@njit(cache=True)
+def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
+                  causal, window, eps, bf16, par_min_macs):
+    """One pre-norm decoder layer on h [n, H] (in place); see the module docstring.
+
+    weights (wq [nh*hd, H], wk [nkv*hd, H], wv, wo [H, nh*hd], wg [I, H], wu, wd [H, I])
+    norms   (ln1 [H], ln2 [H], q_norm [hd], k_norm [hd]); q_norm of size 0 = no qk norm (Llama)
+    conv    (att_proj, mlp_proj [2*taps*G, H], att_base, mlp_base [2, taps, H]); 0-size = none
+    kbuf, vbuf [nkv, >= start+n, hd]: the layer's K/V buffer; rows start..start+n-1 are written
+    shape   (nh, nkv, hd, taps, group_size, block_len, and_arm) ints
+    """
+    wq, wk, wv, wo, wg, wu, wd = weights
+    ln1, ln2, q_norm, k_norm = norms
+    att_proj, mlp_proj, att_base, mlp_base = conv
+    nh, nkv, hd, taps, group_size, block_len, and_arm = shape
+    n = h.shape[0]
+    has_conv = att_proj.size > 0
+    if start + n > kbuf.shape[1] or start + n > vbuf.shape[1] or k_pos.shape[0] > kbuf.shape[1]:
+        raise ValueError("decoder_layer: the K/V buffer has no room for the block (reserve first)")
+
+    a = _rms(h, ln1, eps, bf16)  # [n, H]
+    if has_conv:
+        a, d_att = _conv_prepare(a, att_proj, att_base, taps, group_size, block_len, and_arm != 0,
+                                 par_min_macs, bf16)
+    q = _linear(a, wq, par_min_macs, bf16).reshape(n * nh, hd)  # [n*nh, hd]
+    k = _linear(a, wk, par_min_macs, bf16).reshape(n * nkv, hd)  # [n*nkv, hd]
+    v = _linear(a, wv, par_min_macs, bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+    if q_norm.size > 0:  # per-head RMSNorm over hd, before RoPE
+        q = _rms(q, q_norm, eps, bf16)
+        k = _rms(k, k_norm, eps, bf16)
+    qr = np.empty((n, nh, hd), np.float32)  # [n, nh, hd]
+    kr = np.empty((n, nkv, hd), np.float32)  # [n, nkv, hd]
+    _rope_rows(q.reshape(n, nh, hd), cos, sin, bf16, qr)
+    _rope_rows(k.reshape(n, nkv, hd), cos, sin, bf16, kr)
+    for i in range(n):  # K/V of row i at position start+i
+        for g in range(nkv):
+            for j in range(hd):
+                kbuf[g, start + i, j] = kr[i, g, j]
+                vbuf[g, start + i, j] = v[i, g, j]
+
+    o = _attention(qr, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, bf16)  # [n, nh, hd]
+    _rnd(o, bf16)
+    y = _linear(o.reshape(n, nh * hd), wo, par_min_macs, bf16)  # [n, H]
+    if has_conv:
+        y = _conv(y, d_att, att_base[1], group_size, block_len, and_arm != 0, bf16)
+    _add_residual(h, y, bf16)
+
+    m = _rms(h, ln2, eps, bf16)  # [n, H]
+    if has_conv:
+        m, d_mlp = _conv_prepare(m, mlp_proj, mlp_base, taps, group_size, block_len, and_arm != 0,
+                                 par_min_macs, bf16)
+    g_ = _linear(m, wg, par_min_macs, bf16)  # [n, I]
+    u_ = _linear(m, wu, par_min_macs, bf16)  # [n, I]
+    s = np.empty(g_.shape, np.float32)  # [n, I]
+    _swiglu_rows(g_, u_, bf16, s)
+    y = _linear(s, wd, par_min_macs, bf16)  # [n, H]
+    if has_conv:
+        y = _conv(y, d_mlp, mlp_base[1], group_size, block_len, and_arm != 0, bf16)
+    _add_residual(h, y, bf16)
+
+
+# ------------------------------------------------------------------ Python side
+def layer_args(nh: int, nkv: int, hd: int, taps: int = 0, group_size: int = 0, block_len: int = 0):
+    """The `shape` tuple of decoder_layer (conv fields 0 for layers without the conv)."""
+    and_arm = int(uses_and_arm(block_len)) if block_len else 0
+    return (int(nh), int(nkv), int(hd), int(taps), int(group_size), int(block_len), and_arm)
+
+
+def can_fuse(n_rows: int, weights: tuple) -> bool:
+    """The fused layer takes 1..GEMV_MAX_ROWS rows and C-contiguous weights that are all bf16
+    bits (uint16) or all float32 (what the GEMV kernel reads); anything else runs op by op."""
+    if not 1 <= n_rows <= GEMV_MAX_ROWS:
+        return False
+    if not weights:  # rows only (the weights were checked at load)
+        return True
+    dtypes = {w.dtype for w in weights}
+    return len(dtypes) == 1 and dtypes <= {np.dtype(np.uint16), np.dtype(np.float32)} \
+        and all(w.flags.c_contiguous for w in weights)
