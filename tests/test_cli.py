@@ -223,7 +223,7 @@ def test_warm_up_reaches_the_parallel_drivers(pair):
     import numba
 
     from dflash2_numba.decode import warmup
-    from dflash2_numba.kernels import attention, linear
+    from dflash2_numba.kernels import attention, linear, panels
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only: the parallel drivers are never used")
@@ -234,5 +234,5 @@ def test_warm_up_reaches_the_parallel_drivers(pair):
         warmup.warm_up(target, dn.load_draft(pair["dflash2"], target), prompt_ids=[5, 17], max_new_tokens=4)
     finally:
         numba.set_num_threads(before)
-    assert linear._gemv_par.overloads and attention._attention_par.overloads
+    assert panels._gemv_panels_par.overloads and attention._attention_par.overloads
     assert linear.PARALLEL_MIN_MACS == 1 << 18  # the threshold is restored

@@ -16,9 +16,9 @@ Mutations tried on kernels/fused.py, each turning this file red:
 - a row's K/V written at position start+i+1: every target test (logits and cache);
 - K/V written for rows 0..n-2 only (the last row dropped): the multi-row target tests;
 - DFlash2's mlp conv finish skipped: the dflash2 draft tests;
-- a thread split that drops the last chunk (prange over blocks - 1 in linear._gemv_par): not
+- a thread split that drops the last chunk (prange over items - 1 in panels._gemv_panels_par): not
   visible here as fused-vs-op (both share the GEMV) but red in test_fused_matches_numpy_device
-  with two threads and in tests/test_linear.py.
+  with two threads and in tests/test_panels.py.
 """
 
 from __future__ import annotations

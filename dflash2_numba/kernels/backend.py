@@ -1,7 +1,8 @@
 """The ONE device switch (spec §7): model code calls `ops.linear`, `ops.attention`,
 `ops.grouped_conv` and never imports a kernel module itself.
 
-    get_ops("cpu")    numba @njit kernels; bf16 weights stay uint16 memmaps (default)
+    get_ops("cpu")    numba @njit kernels; bf16 weights stay bf16, repacked once into column
+                      panels for the decode GEMV (kernels/panels.py) (default)
     get_ops("numpy")  plain numpy references in f32; `prepare_weight` converts each weight
                       matrix to f32 ONCE at load (the benchmark's "plain numpy f32 path")
     get_ops("cuda")   @cuda.jit kernels (kernels/cuda_ops.CudaOps: same methods, weights cached on
@@ -16,7 +17,8 @@ Contracts (all float32 activations):
     rms_norm(x [..., D], w [D], eps, bf16) -> [..., D]       (kernels/rowwise.py; models/layers.py)
     apply_rope(x [n, heads, hd], cos [n, hd], sin [n, hd], bf16) -> [n, heads, hd]   (the same)
     swiglu(gate [n, I], up [n, I], bf16) -> [n, I]                                  (the same)
-    prepare_weight(w) -> the array to hand to linear (identity, or an f32 copy)
+    prepare_weight(w) -> the array to hand to linear (CPU: bf16 weights repacked into panels,
+                         kernels/panels.PackedBF16; numpy: an f32 copy)
     short_conv(window [K-1+n, C], w [C, K], bf16) -> [n, C]                (kernels/gdn.py)
     gated_delta(q, k, v, g, beta, state_in, state_out) -> o [n, Hv, dv]    (kernels/gdn.py)
 """
@@ -35,6 +37,7 @@ from . import gdn, rowwise
 from .attention import attention, attention_reference
 from .cache_check import check_kernel_cache
 from .linear import linear, linear_reference
+from .panels import pack_bf16
 
 DEVICES = ("cpu", "numpy", "cuda")
 
@@ -83,10 +86,6 @@ class Ops:
     gated_delta: Callable = gdn.gated_delta_rule
 
 
-def _keep(w: np.ndarray) -> np.ndarray:
-    return w
-
-
 def _conv_kernels():
     """(cpu kernel, numpy version) from kernels/conv.py, written separately."""
     from .conv import grouped_conv, grouped_conv_numpy
@@ -98,7 +97,7 @@ def get_ops(device: str = "cpu") -> Ops:
     if device == "cpu":
         check_kernel_cache()  # a corrupt numba cache file: a named error, not a traceback mid-run
         conv, _ = _conv_kernels()
-        return Ops("cpu", linear, attention, conv, _keep, rowwise.rms_norm, rowwise.apply_rope,
+        return Ops("cpu", linear, attention, conv, pack_bf16, rowwise.rms_norm, rowwise.apply_rope,
                    rowwise.swiglu)
     if device == "numpy":
         _, conv = _conv_kernels()

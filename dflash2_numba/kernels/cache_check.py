@@ -17,9 +17,9 @@ from ..errors import KernelCacheError
 
 
 def _kernel_modules():
-    from . import attention, conv, gdn, linear, rowwise
+    from . import attention, conv, fused, gdn, linear, panels, rowwise
 
-    return attention, conv, gdn, linear, rowwise
+    return attention, conv, fused, gdn, linear, panels, rowwise
 
 
 def _cached_dispatchers(modules):
@@ -29,11 +29,12 @@ def _cached_dispatchers(modules):
 
 
 def kernel_cache_is_cold() -> bool:
-    """True on this package's first run here: the serial GEMV driver, which every decode calls,
-    has no index file in numba's cache yet (the run will start with ~10-20 s of compiling)."""
-    from .linear import _gemv_ser
+    """True on this package's first run here: the fused layer, which every CPU decode of a bf16
+    model calls (and the largest compile), has no index file in numba's cache yet (the run will
+    start with ~20-40 s of compiling)."""
+    from .fused import decoder_layer
 
-    return not Path(_gemv_ser._cache._cache_file._index_path).exists()
+    return not Path(decoder_layer._cache._cache_file._index_path).exists()
 
 
 def kernels_compiled() -> int:

@@ -13,8 +13,8 @@ One layer, pre-norm (spec §2.1; the draft's conv call sites of spec §4.1 when 
     h = h + conv_finish(down(silu(m Wg^T) * (m Wu^T)), d2)
 
 It is the op-by-op path (models/target.py `_layer`, models/draft.py `block_forward`) with the
-Python between the kernels removed, and it calls THE SAME kernels in the same order: the GEMV
-of kernels/linear.py, RMSNorm / RoPE / SwiGLU of kernels/rowwise.py, attention of
+Python between the kernels removed, and it calls THE SAME kernels in the same order: the panel
+GEMV of kernels/panels.py, RMSNorm / RoPE / SwiGLU of kernels/rowwise.py, attention of
 kernels/attention.py, the grouped conv of kernels/conv.py. So its output is bit-identical to
 the op-by-op path in both run modes (f32; bf16 with the per-op rounding of spec §6), which
 stays the reference it is tested against (tests/test_fused.py, array_equal).
@@ -24,7 +24,8 @@ is at least `par_min_macs` multiply-adds (the measured threshold of kernels/line
 "never" with one thread); everything else runs on the calling thread.
 
 Rows: 1..GEMV_MAX_ROWS (decode, verify, draft block). A longer prefill takes the op-by-op path,
-whose GEMV hands big products to BLAS. A new layer kind (the hybrid targets' Gated DeltaNet)
+whose GEMV hands big products to BLAS. Weights: bf16 packed into panels (kernels/panels.py);
+a float32 checkpoint runs op by op. A new layer kind (the hybrid targets' Gated DeltaNet)
 slots in as another fused layer function beside this one.
 """
 
@@ -35,11 +36,12 @@ from numba import njit
 from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
 from .attention import TRANSPOSE_MIN_ROWS, _attention_par, _attention_ser
 from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
-from .linear import GEMV_MAX_ROWS, PARALLEL_MIN_MACS, _gemv_par, _gemv_ser
+from .linear import GEMV_MAX_ROWS
+from .panels import gemv_panels
 from .rowwise import _rms_norm_rows, _rope_rows, _swiglu_rows
 
 NEVER = np.iinfo(np.int64).max  # par_min_macs with one thread: no product goes parallel
-NO_CONV = (np.empty((0, 0), np.float32),) * 2 + (np.empty((0, 0, 0), np.float32),) * 2  # v1 / targets
+NO_CONV = (np.empty((0, 0, 32), np.uint16),) * 2 + (np.empty((0, 0, 0), np.float32),) * 2  # v1 / targets
 
 
 def parallel_min_macs() -> int:
@@ -62,13 +64,11 @@ def _rnd(x, bf16):
 
 
 @njit(inline="always")
-def _linear(x, w, par_min_macs, bf16):
-    """rnd?(x @ w.T): x [M, K] f32, w [N, K] -> [M, N] f32, with kernels/linear.py's kernels."""
-    y = np.empty((x.shape[0], w.shape[0]), np.float32)  # [M, N]
-    if x.shape[0] * w.shape[0] * w.shape[1] >= par_min_macs:
-        _gemv_par(x, w, y)
-    else:
-        _gemv_ser(x, w, y)
+def _linear(x, panels, N, par_min_macs, bf16):
+    """rnd?(x @ w.T): x [M, K] f32, w [N, K] given as its panels [NP, K, 32] -> [M, N] f32,
+    with the kernel ops.linear runs on a packed weight (kernels/panels.py)."""
+    y = np.empty((x.shape[0], N), np.float32)  # [M, N]
+    gemv_panels(x, panels, y, x.shape[0] * N * x.shape[1] >= par_min_macs)
     _rnd(y, bf16)
     return y
 
@@ -119,9 +119,9 @@ def _conv(x, delta, base, group_size, block_len, and_arm, bf16):
 @njit(inline="always")
 def _conv_prepare(x, proj, base, taps, group_size, block_len, and_arm, par_min_macs, bf16):
     """-> (conv(x, delta[:, 0], base[0]), delta[:, 1]) with delta = rnd?(x proj^T) viewed
-    [n, side, tap, group]: DFlash2Draft.conv_prepare."""
+    [n, side, tap, group]: DFlash2Draft.conv_prepare. proj: panels of [2*taps*G, H]."""
     n = x.shape[0]
-    delta = _linear(x, proj, par_min_macs, bf16)  # [n, 2*taps*G]
+    delta = _linear(x, proj, 2 * taps * (x.shape[1] // group_size), par_min_macs, bf16)  # [n, 2*taps*G]
     delta = delta.reshape(n, 2, taps, delta.shape[1] // (2 * taps))  # [n, side, tap, group]
     # C-contiguous copies, as kernels/conv.grouped_conv makes: one kernel specialisation
     return (_conv(x, np.ascontiguousarray(delta[:, 0]), base[0], group_size, block_len, and_arm, bf16),
@@ -147,9 +147,11 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
                   causal, window, eps, bf16, par_min_macs):
     """One pre-norm decoder layer on h [n, H] (in place); see the module docstring.
 
-    weights (wq [nh*hd, H], wk [nkv*hd, H], wv, wo [H, nh*hd], wg [I, H], wu, wd [H, I])
+    weights the panels (kernels/panels.py) of wq [nh*hd, H], wk [nkv*hd, H], wv,
+            wo [H, nh*hd], wg [I, H], wu, wd [H, I]
     norms   (ln1 [H], ln2 [H], q_norm [hd], k_norm [hd]); q_norm of size 0 = no qk norm (Llama)
-    conv    (att_proj, mlp_proj [2*taps*G, H], att_base, mlp_base [2, taps, H]); 0-size = none
+    conv    (att_proj, mlp_proj: panels of [2*taps*G, H]; att_base, mlp_base [2, taps, H]);
+            0-size = none
     kbuf, vbuf [nkv, >= start+n, hd]: the layer's K/V buffer; rows start..start+n-1 are written
     shape   (nh, nkv, hd, taps, group_size, block_len, and_arm) ints
     """
@@ -157,7 +159,8 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
     ln1, ln2, q_norm, k_norm = norms
     att_proj, mlp_proj, att_base, mlp_base = conv
     nh, nkv, hd, taps, group_size, block_len, and_arm = shape
-    n = h.shape[0]
+    n, H = h.shape
+    inter = wd.shape[1]  # I: the down projection's input features
     has_conv = att_proj.size > 0
     if start + n > kbuf.shape[1] or start + n > vbuf.shape[1] or k_pos.shape[0] > kbuf.shape[1]:
         raise ValueError("decoder_layer: the K/V buffer has no room for the block (reserve first)")
@@ -166,9 +169,9 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
     if has_conv:
         a, d_att = _conv_prepare(a, att_proj, att_base, taps, group_size, block_len, and_arm != 0,
                                  par_min_macs, bf16)
-    q = _linear(a, wq, par_min_macs, bf16).reshape(n * nh, hd)  # [n*nh, hd]
-    k = _linear(a, wk, par_min_macs, bf16).reshape(n * nkv, hd)  # [n*nkv, hd]
-    v = _linear(a, wv, par_min_macs, bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+    q = _linear(a, wq, nh * hd, par_min_macs, bf16).reshape(n * nh, hd)  # [n*nh, hd]
+    k = _linear(a, wk, nkv * hd, par_min_macs, bf16).reshape(n * nkv, hd)  # [n*nkv, hd]
+    v = _linear(a, wv, nkv * hd, par_min_macs, bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
     if q_norm.size > 0:  # per-head RMSNorm over hd, before RoPE
         q = _rms(q, q_norm, eps, bf16)
         k = _rms(k, k_norm, eps, bf16)
@@ -184,7 +187,7 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
 
     o = _attention(qr, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, bf16)  # [n, nh, hd]
     _rnd(o, bf16)
-    y = _linear(o.reshape(n, nh * hd), wo, par_min_macs, bf16)  # [n, H]
+    y = _linear(o.reshape(n, nh * hd), wo, H, par_min_macs, bf16)  # [n, H]
     if has_conv:
         y = _conv(y, d_att, att_base[1], group_size, block_len, and_arm != 0, bf16)
     _add_residual(h, y, bf16)
@@ -193,11 +196,11 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
     if has_conv:
         m, d_mlp = _conv_prepare(m, mlp_proj, mlp_base, taps, group_size, block_len, and_arm != 0,
                                  par_min_macs, bf16)
-    g_ = _linear(m, wg, par_min_macs, bf16)  # [n, I]
-    u_ = _linear(m, wu, par_min_macs, bf16)  # [n, I]
+    g_ = _linear(m, wg, inter, par_min_macs, bf16)  # [n, I]
+    u_ = _linear(m, wu, inter, par_min_macs, bf16)  # [n, I]
     s = np.empty(g_.shape, np.float32)  # [n, I]
     _swiglu_rows(g_, u_, bf16, s)
-    y = _linear(s, wd, par_min_macs, bf16)  # [n, H]
+    y = _linear(s, wd, H, par_min_macs, bf16)  # [n, H]
     if has_conv:
         y = _conv(y, d_mlp, mlp_base[1], group_size, block_len, and_arm != 0, bf16)
     _add_residual(h, y, bf16)
@@ -210,13 +213,7 @@ def layer_args(nh: int, nkv: int, hd: int, taps: int = 0, group_size: int = 0, b
     return (int(nh), int(nkv), int(hd), int(taps), int(group_size), int(block_len), and_arm)
 
 
-def can_fuse(n_rows: int, weights: tuple) -> bool:
-    """The fused layer takes 1..GEMV_MAX_ROWS rows and C-contiguous weights that are all bf16
-    bits (uint16) or all float32 (what the GEMV kernel reads); anything else runs op by op."""
-    if not 1 <= n_rows <= GEMV_MAX_ROWS:
-        return False
-    if not weights:  # rows only (the weights were checked at load)
-        return True
-    dtypes = {w.dtype for w in weights}
-    return len(dtypes) == 1 and dtypes <= {np.dtype(np.uint16), np.dtype(np.float32)} \
-        and all(w.flags.c_contiguous for w in weights)
+def can_fuse(n_rows: int, weights: tuple = ()) -> bool:
+    """The fused layer takes 1..GEMV_MAX_ROWS rows and weights packed into panels (bf16
+    checkpoints on the CPU device: kernels/panels.PackedBF16); anything else runs op by op."""
+    return 1 <= n_rows <= GEMV_MAX_ROWS and all(getattr(w, "panels", None) is not None for w in weights)

@@ -1,9 +1,11 @@
 """y = x @ w.T with bf16 (uint16) weights converted on the fly (spec §6).
 
-    linear(x [M, K] f32, w [N, K] uint16|float32|float16) -> y [M, N] f32
+    linear(x [M, K] f32, w [N, K] uint16|float32|float16|PackedBF16) -> y [M, N] f32
 
-Two regimes:
-- decode size (M <= GEMV_MAX_ROWS): a numba kernel, parallel over blocks of output rows.
+Three regimes:
+- decode size, PackedBF16 weight (what ops.prepare_weight gives the models on the CPU): the
+  panel micro-kernels of kernels/panels.py (the fast path; 1..GEMV_MAX_ROWS rows).
+- decode size, a plain uint16 / float32 array (M <= GEMV_MAX_ROWS): a numba kernel, parallel over blocks of output rows.
   Each weight element is converted bf16 -> f32 inside the K loop and shared by up to 8 input
   rows (8 accumulators), so the weight matrix is read once per 8 inputs and never copied.
   `fastmath={"reassoc", "contract"}` lets LLVM vectorise the K reduction (about 8x without it)
@@ -21,6 +23,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..numerics import as_f32, bf16_to_f32
+from .panels import gemv_panels
 
 GEMV_MAX_ROWS = 32  # rows of x up to which the numba kernel is used
 ROW_BLOCK = 16  # output rows per parallel work item (amortises scratch allocation)
@@ -200,6 +203,11 @@ def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if Kw != K:
         raise ValueError(f"linear: x has {K} features, weight has {Kw} columns (shape {list(w.shape)})")
     y = np.empty((M, N), dtype=np.float32) if out is None else out
+    panels = getattr(w, "panels", None)  # a PackedBF16 weight (kernels/panels.py)
+    w = np.asarray(w)  # the plain array for the other paths
+    if panels is not None and 0 < M <= GEMV_MAX_ROWS:
+        gemv_panels(x, panels, y, use_parallel(M * N * K))
+        return y
     if M > GEMV_MAX_ROWS or w.dtype not in (np.uint16, np.float32) or M == 0:
         return _linear_chunked(x, w, y)
     if not w.flags.c_contiguous:  # memmap views are contiguous; anything else is copied once

@@ -109,9 +109,12 @@ class DFlash2Draft(DFlashDraft):
         return self._conv(y, coef, layer[name]["base"][1], n_rows)
 
     # ------------------------------------------------------------------ the fused engine
+    def _conv_weights(self, layer: dict) -> tuple:
+        return layer["attention_conv"]["proj"], layer["mlp_conv"]["proj"]
+
     def _fused_conv(self, layer: dict) -> tuple:
-        """(attention proj, mlp proj, attention base, mlp base) for fused.decoder_layer."""
-        return (layer["attention_conv"]["proj"], layer["mlp_conv"]["proj"],
+        """(attention proj, mlp proj (panels), attention base, mlp base) for fused.decoder_layer."""
+        return (layer["attention_conv"]["proj"].panels, layer["mlp_conv"]["proj"].panels,
                 layer["attention_conv"]["base"], layer["mlp_conv"]["base"])
 
     def _fused_shape(self, n_rows: int) -> tuple:

@@ -199,11 +199,16 @@ class DFlashDraft:
         if not hasattr(self, "_fused_ok"):
             self._fused_ok = True
             for L in self.layers:
-                L["fused_weights"] = tuple(L[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
-                L["fused_norms"] = (L["ln1"], L["ln2"], L["q_norm"], L["k_norm"])
-                conv_weights = tuple(w for w in self._fused_conv(L)[:2] if w.size)  # DFlash2's projections
-                self._fused_ok &= fused.can_fuse(1, L["fused_weights"] + conv_weights)
+                weights = tuple(L[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
+                self._fused_ok &= fused.can_fuse(1, weights + self._conv_weights(L))
+                if self._fused_ok:
+                    L["fused_weights"] = tuple(w.panels for w in weights)
+                    L["fused_norms"] = (L["ln1"], L["ln2"], L["q_norm"], L["k_norm"])
         return self._fused_ok
+
+    def _conv_weights(self, layer: dict) -> tuple:
+        """The conv projections a fused layer reads (DFlash v1: none)."""
+        return ()
 
     def _fused_conv(self, layer: dict) -> tuple:
         """The conv tuple of fused.decoder_layer: DFlash v1 has none."""

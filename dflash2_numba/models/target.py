@@ -138,7 +138,7 @@ class TargetModel:
             if not fused.can_fuse(1, weights):
                 return None
             norms = (L["ln1"], L["ln2"], L.get("q_norm", no_norm), L.get("k_norm", no_norm))
-            out.append((weights, norms, fused.NO_CONV))
+            out.append((tuple(w.panels for w in weights), norms, fused.NO_CONV))
         self._fused_shape = fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         return out
 
@@ -217,7 +217,7 @@ class TargetModel:
     def _layer(self, i, layer, h, cache, start, q_pos, k_pos, cos, sin):
         """One decoder layer on h [n, H] at positions q_pos; writes K/V i of the cache."""
         c, bf16, ops, linear = self.config, self.bf16, self.ops, self.ops.linear
-        if self.fused and self._fused_layers is not None and fused.can_fuse(h.shape[0], ()):
+        if self.fused and self._fused_layers is not None and fused.can_fuse(h.shape[0]):
             h = np.ascontiguousarray(h, dtype=np.float32)  # updated in place by the fused layer
             fused.decoder_layer(h, *self._fused_layers[i], cache.k[i], cache.v[i], start, q_pos, k_pos,
                                 cos, sin, self._fused_shape, True, self.layer_windows[i],

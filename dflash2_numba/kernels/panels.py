@@ -1,0 +1,219 @@
+"""The bf16 GEMV for decode-size products, on weights repacked into column panels at load.
+
+    w_packed = pack_bf16(w [N, K] uint16)     # once per weight matrix (ops.prepare_weight)
+    gemv_panels(x [M, K] f32, w_packed.panels, y [M, N] f32, parallel)   # y = x @ w.T
+
+Why a second layout: in the row layout [N, K] each output is a dot product along K, so every
+output ends in a horizontal sum and each converted weight vector feeds few FMAs. In the panel
+layout a k-step of one panel holds 32 OUTPUT COLUMNS: one 64-byte load gives 32 bf16 weights,
+x[r, k] is broadcast, and a fused multiply-add updates 32 accumulators per input row, with no
+horizontal sum at all — the shape of every fast GEMM micro-kernel (llama.cpp repacks its CPU
+weights the same way).
+
+Panel layout (N padded with zero rows to a multiple of PANEL_COLS * 4):
+    panels [NP, K, 32] uint16;  panels[p, k, 2i] = w[32p + i, k],  panels[p, k, 2i+1] = w[32p + 16 + i, k]
+so the 32-bit lane i of a k-step holds column i in its low half and column i+16 in its high
+half: `lane << 16` is column i as f32 and `lane & 0xFFFF0000` is column i+16 — the bf16 -> f32
+conversion is one shift or one AND per 16 weights, and both halves come out in column order.
+
+The micro-kernels are written as LLVM vector IR (`_tile`): numba's loop vectoriser does not
+keep a [rows x 32] accumulator tile in registers (it spills it, or gathers), and explicit
+<16 x float> vectors with `llvm.fma` give exactly the loop above on any x86-64 (zmm on
+AVX-512, pairs of ymm on AVX2) or other LLVM target.
+
+Numerics: every output y[r, n] is ONE chain of fused multiply-adds over k = 0..K-1 in order,
+starting from 0, whatever the tile, the number of rows or the thread split. So a verify of 8
+rows gives bit for bit the logits of 8 single-row steps (tests/test_panels.py checks this), and
+the result differs from the row-layout kernel (a reassociated vector sum) only by rounding.
+
+Tiles: rows in groups of 4 against 2 panels (4 x 64 accumulators = 16 zmm), then 2 rows x 4
+panels, then 1 row x 4 panels. Measured on one AVX-512 core (bench/bench_gemv.py) 4x2 beat
+8x1 and 8x2: two weight streams per k-step, and the x broadcasts are loads, not FMAs.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+PANEL_COLS = 32  # output columns per panel
+LANES = PANEL_COLS // 2  # f32 lanes per accumulator vector (one zmm)
+ITEM_PANELS = 4  # panels per work item: the largest tile's panel count
+ITEM_COLS = PANEL_COLS * ITEM_PANELS
+
+
+# ------------------------------------------------------------------ packing
+class PackedBF16(np.ndarray):
+    """A bf16 weight [N, K] (the original uint16 array, as a view) that also carries its panel
+    copy `.panels` [NP, K, 32]. Everything that reads the weight as an array still can (the
+    BLAS prefill path, shapes, inspection); `linear` takes the panels. Views and copies of it
+    have `.panels = None`: only the object pack_bf16 returned is packed."""
+
+    panels = None
+
+    def __array_finalize__(self, obj):
+        self.panels = None
+
+
+def pack_panels(w: np.ndarray) -> np.ndarray:
+    """w [N, K] uint16 -> panels [NP, K, 32] uint16, NP = N / 32 rounded up to a multiple of
+    ITEM_PANELS, padding columns zero (their outputs are computed and dropped)."""
+    N, K = w.shape
+    n_panels = -(-N // ITEM_COLS) * ITEM_PANELS
+    padded = np.zeros((n_panels * PANEL_COLS, K), np.uint16)  # [NP*32, K]
+    padded[:N] = w
+    # [NP, half, i, K] -> [NP, K, i, half]: lane i = (column i, column 16 + i)
+    return np.ascontiguousarray(padded.reshape(n_panels, 2, LANES, K).transpose(0, 3, 2, 1)).reshape(
+        n_panels, K, PANEL_COLS)
+
+
+def pack_bf16(w: np.ndarray) -> np.ndarray:
+    """A 2-D uint16 (bf16) weight -> PackedBF16 (same values, plus panels); others unchanged."""
+    if not isinstance(w, np.ndarray) or w.dtype != np.uint16 or w.ndim != 2 or w.size == 0:
+        return w
+    packed = np.asarray(w).view(PackedBF16)
+    packed.panels = pack_panels(np.asarray(w))
+    return packed
+
+
+# ------------------------------------------------------------------ micro-kernels (LLVM IR)
+def _tile(R: int, C: int):
+    """An intrinsic tile(x, m0, panels, p0, y, ycol): for rows m0..m0+R-1 of x [M, K] and
+    panels p0..p0+C-1, y[m0 + r, ycol + 32c + j] = sum_k x[m0 + r, k] * w(panel p0 + c, k, j)
+    as one fma chain over k. x, panels, y C-contiguous; y [>= m0+R, >= ycol+32C] f32."""
+
+    @intrinsic
+    def tile(typingctx, x, m0, panels, p0, y, ycol):
+        if not (isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32 and x.ndim == 2
+                and isinstance(panels, types.Array) and panels.layout == "C" and panels.ndim == 3
+                and panels.dtype == types.uint16 and isinstance(y, types.Array) and y.layout == "C"
+                and y.dtype == types.float32 and y.ndim == 2):
+            return None
+        sig = types.void(x, types.int64, panels, types.int64, y, types.int64)
+
+        def codegen(context, builder, signature, args):
+            xv, m0, pv, p0, yv, ycol = args
+            xa = context.make_array(signature.args[0])(context, builder, xv)
+            pa = context.make_array(signature.args[2])(context, builder, pv)
+            ya = context.make_array(signature.args[4])(context, builder, yv)
+            K = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+            ldy = cgutils.unpack_tuple(builder, ya.shape, 2)[1]
+            f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+            vf, vi = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
+
+            def const(v):
+                return ir.Constant(i64, v)
+
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
+                                                 f"llvm.fma.v{LANES}f32")
+            zero = ir.Constant(vf, [0.0] * LANES)
+            lo_shift = ir.Constant(vi, [16] * LANES)
+            hi_mask = ir.Constant(vi, [-65536] * LANES)  # 0xFFFF0000
+            panel_words = builder.mul(K, const(LANES))  # u32 words per panel
+            x0 = builder.gep(xa.data, [builder.mul(m0, K)])  # &x[m0, 0]
+            w0 = builder.gep(builder.bitcast(pa.data, i32.as_pointer()), [builder.mul(p0, panel_words)])
+            y0 = builder.gep(ya.data, [builder.add(builder.mul(m0, ldy), ycol)])  # &y[m0, ycol]
+
+            entry = builder.block
+            loop = builder.append_basic_block("tile.k")
+            done = builder.append_basic_block("tile.done")
+            builder.cbranch(builder.icmp_signed("<=", K, const(0)), done, loop)
+
+            builder.position_at_end(loop)  # one k-step: C panel loads, R broadcasts, 2RC fmas
+            k = builder.phi(i64)
+            acc = [[builder.phi(vf) for _ in range(2 * C)] for _ in range(R)]
+            weights = []
+            for c in range(C):
+                at = builder.add(builder.mul(const(c), panel_words), builder.mul(k, const(LANES)))
+                lanes = builder.load(builder.bitcast(builder.gep(w0, [at]), vi.as_pointer()), align=4)
+                weights.append(builder.bitcast(builder.shl(lanes, lo_shift), vf))  # columns 0..15
+                weights.append(builder.bitcast(builder.and_(lanes, hi_mask), vf))  # columns 16..31
+            undef = ir.Constant(vf, ir.Undefined)
+            splat = ir.Constant(vi, [0] * LANES)
+            new = []
+            for r in range(R):
+                xs = builder.load(builder.gep(x0, [builder.add(builder.mul(const(r), K), k)]))
+                xb = builder.shuffle_vector(builder.insert_element(undef, xs, ir.Constant(i32, 0)), undef, splat)
+                new.append([builder.call(fma, [xb, weights[c], acc[r][c]]) for c in range(2 * C)])
+            k_next = builder.add(k, const(1))
+            k.add_incoming(const(0), entry)
+            k.add_incoming(k_next, loop)
+            for r in range(R):
+                for c in range(2 * C):
+                    acc[r][c].add_incoming(zero, entry)
+                    acc[r][c].add_incoming(new[r][c], loop)
+            builder.cbranch(builder.icmp_signed("<", k_next, K), loop, done)
+
+            builder.position_at_end(done)
+            out = [[builder.phi(vf) for _ in range(2 * C)] for _ in range(R)]  # phis lead the block
+            for r in range(R):
+                for c in range(2 * C):
+                    out[r][c].add_incoming(zero, entry)
+                    out[r][c].add_incoming(new[r][c], loop)
+            for r in range(R):
+                for c in range(2 * C):
+                    at = builder.add(builder.mul(const(r), ldy), const(c * LANES))
+                    builder.store(out[r][c], builder.bitcast(builder.gep(y0, [at]), vf.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_tile_4x2 = _tile(4, 2)
+_tile_2x4 = _tile(2, 4)
+_tile_1x4 = _tile(1, 4)
+
+
+# ------------------------------------------------------------------ drivers
+@njit(inline="always")
+def _item(x, panels, y, b):
+    """Output columns b*128 .. b*128+127 (panels 4b..4b+3) for every row of x; y [M, N]."""
+    M = x.shape[0]
+    N = y.shape[1]
+    scratch = np.empty((M, ITEM_COLS), np.float32)  # [M, 128] the item's padded columns
+    p0 = b * ITEM_PANELS
+    full = M - M % 4
+    for half in range(2):  # 2 panels at a time, every group of 4 rows (the pair stays in cache)
+        for m0 in range(0, full, 4):
+            _tile_4x2(x, m0, panels, p0 + 2 * half, scratch, half * 2 * PANEL_COLS)
+    m0 = full
+    if M - m0 >= 2:
+        _tile_2x4(x, m0, panels, p0, scratch, 0)
+        m0 += 2
+    if M - m0 == 1:
+        _tile_1x4(x, m0, panels, p0, scratch, 0)
+    n0 = b * ITEM_COLS
+    for r in range(M):
+        for j in range(min(ITEM_COLS, N - n0)):
+            y[r, n0 + j] = scratch[r, j]
+
+
+@njit(parallel=True, cache=True)
+def _gemv_panels_par(x, panels, y):
+    for b in prange(panels.shape[0] // ITEM_PANELS):
+        _item(x, panels, y, b)
+
+
+@njit(cache=True)
+def _gemv_panels_ser(x, panels, y):
+    for b in range(panels.shape[0] // ITEM_PANELS):
+        _item(x, panels, y, b)
+
+
+@njit(inline="always")
+def gemv_panels(x, panels, y, parallel):
+    """y [M, N] = x [M, K] @ w.T from w's panels [NP, K, 32]; all C-contiguous. Callable from
+    numba code (kernels/fused.py) and, through `linear_packed`, from Python."""
+    if parallel:
+        _gemv_panels_par(x, panels, y)
+    else:
+        _gemv_panels_ser(x, panels, y)
+
+
+def check_panels(x: np.ndarray, panels: np.ndarray, N: int) -> None:
+    if panels.ndim != 3 or panels.shape[1] != x.shape[1] or panels.shape[2] != PANEL_COLS \
+            or panels.shape[0] % ITEM_PANELS or panels.shape[0] * PANEL_COLS < N:
+        raise ValueError(f"gemv_panels: panels {list(panels.shape)} for x {list(x.shape)} and {N} outputs")
