@@ -9,8 +9,8 @@ panel = kernels/panels.py on the weight repacked at load into 32-column panels (
 Each (shape, rows) cell times the two ALTERNATELY `repeat` times and reports medians, so both
 see the same machine state; "x1" is the cost relative to the same kernel's 1-row product, the
 figure that decides what a Q-row verify costs. GB/s counts the bf16 weight bytes (N*K*2) read
-once per call; GMAC/s = M*N*K / time. The reference read bandwidth is a numba sum over 1 GiB
-measured in the same process with the same threads. Shapes: the ~100M Qwen3 of
+once per call; GMAC/s = M*N*K / time. The reference read bandwidth is bench/bandwidth.py's
+four-stream sum over 1 GiB, measured in the same process with the same threads. Shapes: the ~100M Qwen3 of
 bench_target.py (hidden 768, MLP 2048, head 32000), the embedded target (hidden 256, MLP 768,
 head 4096) and the 8x widened pair of bench/scaled_pair.py (hidden 2048, MLP 6144).
 A matrix that fits the caches is read from them: the widened shapes are the streaming regime.
@@ -38,33 +38,14 @@ if ARGS is not None:
     os.environ["NUMBA_NUM_THREADS"] = str(ARGS.threads)
 
 import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dflash2_numba.kernels import linear as L  # noqa: E402
 from dflash2_numba.kernels import panels as P  # noqa: E402
 from dflash2_numba.numerics import f32_to_bf16_array  # noqa: E402
-
-
-@njit(parallel=True, fastmath={"reassoc"})
-def _sum_u16(a, chunks):
-    part = np.zeros(chunks, np.float32)
-    step = (a.size + chunks - 1) // chunks
-    for c in prange(chunks):
-        acc = np.float32(0.0)
-        for i in range(c * step, min(a.size, (c + 1) * step)):
-            acc += np.float32(a[i])
-        part[c] = acc
-    return part.sum()
-
-
-def read_bandwidth(repeat: int = 5) -> float:
-    """GB/s of a parallel numba sum over 1 GiB of uint16 (best of `repeat`)."""
-    a = np.ones(1 << 29, np.uint16)
-    _sum_u16(a[:1024], 64)
-    best = min(_timed(lambda: _sum_u16(a, 64)) for _ in range(repeat))
-    return a.nbytes / best / 1e9
+from bandwidth import read_bandwidth  # noqa: E402  (bench/bandwidth.py)
 
 
 def _timed(fn) -> float:
@@ -92,7 +73,8 @@ def main(args) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"CPU: {cpu_name()}; numba threads {numba.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
-    print(f"read bandwidth (numba sum over 1 GiB): {read_bandwidth():.1f} GB/s")
+    bw = read_bandwidth([args.threads])[str(args.threads)]["best_gbs"]
+    print(f"read bandwidth (bench/bandwidth.py, 1 GiB, {args.threads} thread(s)): {bw:.1f} GB/s")
     print(f"medians of {args.repeat} alternating runs; x1 = cost relative to the kernel's own 1-row product")
     head = f"{'N':>6s} {'K':>5s} {'M':>3s} | {'row ms':>8s} {'x1':>5s} {'GB/s':>6s} {'GMAC/s':>6s} | " \
            f"{'panel ms':>8s} {'x1':>5s} {'GB/s':>6s} {'GMAC/s':>6s} | {'row/panel':>9s}"

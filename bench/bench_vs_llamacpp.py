@@ -27,11 +27,11 @@ timed alternately round by round (A, B, C, A, B, C, ...) for --rounds rounds, be
 speed of any engine moves 15-20% with where a file's pages land in memory; the table shows each
 engine's MEDIAN round and the ratios this-project / llama.cpp and this-project / transformers
 (of the medians; the median of the per-round ratios beside it). Also measured in the same run:
-memory READ bandwidth at each thread count (numba parallel sum over a --bw-gib GiB array read as
-uint64 words, best of 5 runs before and 5 after the rounds), against which each engine's weight
-GB/s (bytes of every layer matrix + the head at 2 bytes/param per token / seconds per token) is
-put as a %. (A plain sum loop is not the machine's peak: a % near or above 100 says the engine
-streams weights as fast as such a loop can.)
+memory READ bandwidth at each thread count (bench/bandwidth.py: a numba sum over a --bw-gib GiB
+array, four interleaved streams per thread, best of 5 runs before and 5 after the rounds),
+against which each engine's weight GB/s (bytes of every layer matrix + the head at 2 bytes/param
+per token / seconds per token) is put as a %. (A sum loop is not a hardware peak; the 200 MB of
+weights exceed what of the L3 a VM's core gets here, so each token streams them from memory.)
 
 Correctness check, on the warm-up tokens: the first --check-tokens greedy tokens of llama.cpp
 and transformers against ours (positions that agree, identical prefix). bf16 GGUF kernels and
@@ -113,6 +113,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
+from bandwidth import read_bandwidth  # noqa: E402  (bench/bandwidth.py: four-stream sum)
 from bench_target import SHAPE, decode, model_dir  # noqa: E402
 from dflash2_numba.checkpoint import open_checkpoint  # noqa: E402
 from dflash2_numba.config import load_target_config  # noqa: E402
@@ -220,43 +221,6 @@ def weight_bytes_per_token(src_dir: Path) -> int:
     if cfg.tie_word_embeddings:
         n += int(np.prod(ck.info("model.embed_tokens.weight").shape))
     return 2 * n
-
-
-# ---------------------------------------------------------------- memory read bandwidth
-def read_bandwidth(threads: list[int], gib: float, repeats: int = 5) -> dict:
-    """Best-of-`repeats` GB/s of a numba parallel sum over a `gib` GiB array (uint16 data read
-    as uint64 words: the loop is load-bound, not add-bound) at each thread count."""
-    import numba
-
-    @numba.njit(parallel=True, cache=False)
-    def chunked_sum(a, nchunks):
-        n = a.size
-        step = (n + nchunks - 1) // nchunks
-        partial = np.zeros(nchunks, dtype=np.uint64)
-        for c in numba.prange(nchunks):
-            s = np.uint64(0)
-            for i in range(c * step, min(n, (c + 1) * step)):
-                s += a[i]
-            partial[c] = s
-        return partial.sum()
-
-    n16 = int(gib * (1 << 30)) // 8 * 4
-    data = np.full(n16, 1, dtype=np.uint16)  # written once: every page is resident
-    words = data.view(np.uint64)
-    expect = np.uint64(words.size * 0x0001000100010001 % (1 << 64))  # the sum wraps mod 2**64
-    out = {}
-    for t in threads:
-        numba.set_num_threads(t)
-        chunked_sum(words[:1024], t * 4)  # compile / warm
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            s = chunked_sum(words, t * 4)
-            runs.append(data.nbytes / (time.perf_counter() - t0) / 1e9)
-            assert s == expect, "bandwidth kernel summed wrong"
-        out[str(t)] = {"best_gbs": max(runs), "runs_gbs": runs}
-    del data, words
-    return out
 
 
 # ---------------------------------------------------------------- engines
