@@ -29,7 +29,6 @@ a float32 checkpoint runs op by op. A new layer kind (the hybrid targets' Gated 
 slots in as another fused layer function beside this one.
 """
 
-import numba
 import numpy as np
 from numba import njit
 
@@ -50,7 +49,7 @@ def parallel_min_macs() -> int:
     lower the threshold to reach the parallel drivers)."""
     from . import linear
 
-    return linear.PARALLEL_MIN_MACS if numba.get_num_threads() > 1 else NEVER
+    return linear.PARALLEL_MIN_MACS if linear.threads_now() > 1 else NEVER
 
 
 # ------------------------------------------------------------------ pieces

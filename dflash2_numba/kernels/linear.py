@@ -43,15 +43,18 @@ def _thread_count_reader():
 _num_threads = None  # set on first use: importing must not start the thread pool
 
 
+def threads_now() -> int:
+    """numba's current thread count, read the cheap way (see _thread_count_reader)."""
+    global _num_threads
+    if _num_threads is None:
+        _num_threads = _thread_count_reader()
+    return _num_threads()
+
+
 def use_parallel(macs: int) -> bool:
     """The prange driver only pays when there is work AND more than one numba thread: with one
     thread its fork/join overhead (tens of us per call) is pure loss on decode-size products."""
-    global _num_threads
-    if macs < PARALLEL_MIN_MACS:
-        return False
-    if _num_threads is None:
-        _num_threads = _thread_count_reader()
-    return _num_threads() > 1
+    return macs >= PARALLEL_MIN_MACS and threads_now() > 1
 
 
 def linear_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
