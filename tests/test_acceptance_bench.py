@@ -1,23 +1,19 @@
 """Smoke test of bench/acceptance.py on a tiny random pair: the JSON it writes, its own
 consistency, and that an output differing from target-only makes it fail."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from dflash2_numba import tiny
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import load_bench
+
 N_PROMPTS, NEW = 2, 8
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("acceptance_bench", ROOT / "bench" / "acceptance.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("acceptance.py", "acceptance_bench")
 
 
 @pytest.fixture(scope="module")

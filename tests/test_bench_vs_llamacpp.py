@@ -1,8 +1,6 @@
 """bench/bench_vs_llamacpp.py's GGUF writer, checked without llama.cpp: a tiny Qwen3 written to
 GGUF and read back with gguf.GGUFReader (names, shapes, types, bytes, metadata)."""
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,18 +8,16 @@ import pytest
 from dflash2_numba import tiny
 from dflash2_numba.checkpoint import open_checkpoint
 
+from bench_scripts import load_bench
+
 gguf = pytest.importorskip("gguf")
 
-ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=1024)
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_vs_llamacpp", ROOT / "bench" / "bench_vs_llamacpp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_vs_llamacpp.py", "bench_vs_llamacpp")
 
 
 @pytest.fixture(scope="module")
