@@ -1,5 +1,5 @@
-"""The fused CPU engine (kernels/fused.py: one numba call per decoder layer) against the op-by-op
-path it replaces (the reference: `model.fused = False`).
+"""The fused CPU engine (kernels/fused.py: one numba call per decoder layer, one per draft context
+update) against the op-by-op path it replaces (the reference: `model.fused = False`).
 
 The fused layer calls the same kernels in the same order, so the gate is BIT equality
 (np.array_equal) of everything the layer writes: logits, taps, the target's K/V cache, the
@@ -16,6 +16,7 @@ Mutations tried on kernels/fused.py, each turning this file red:
 - a row's K/V written at position start+i+1: every target test (logits and cache);
 - K/V written for rows 0..n-2 only (the last row dropped): the multi-row target tests;
 - DFlash2's mlp conv finish skipped: the dflash2 draft tests;
+- the context update without the k_norm, or writing its K/V one position late: the 4 draft tests;
 - a thread split that drops the last chunk (prange over items - 1 in panels._gemv_panels_par): not
   visible here as fused-vs-op (both share the GEMV) but red in test_fused_matches_numpy_device
   with two threads and in tests/test_panels.py.
@@ -52,16 +53,16 @@ def targets(tmp_path_factory):
 
 
 class FusedSpy:
-    """Counts fused.decoder_layer calls (the fused path must really run)."""
+    """Counts calls of a fused entry point (the fused path must really run)."""
 
-    def __init__(self, monkeypatch):
-        self.calls, inner = 0, fused.decoder_layer
+    def __init__(self, monkeypatch, name: str = "decoder_layer"):
+        self.calls, inner = 0, getattr(fused, name)
 
         def spy(*args):
             self.calls += 1
             return inner(*args)
 
-        monkeypatch.setattr(fused, "decoder_layer", spy)
+        monkeypatch.setattr(fused, name, spy)
 
 
 def run_target(target, rows: int, engine: bool):
@@ -142,16 +143,27 @@ def test_prefill_longer_than_the_fused_rows_runs_op_by_op(targets, monkeypatch):
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_draft_fused_equals_op_by_op(targets, tmp_path, monkeypatch, kind, dtype):
-    """Block states of one request at Q = 2, 5 (not a power of two: the conv's modulo arm), 8
-    and 16 = block_size, and the block K/V written past the context."""
+    """The context K/V (fused.context_update) after a prefill and a 3-token step; block states
+    of one request at Q = 2, 5 (not a power of two: the conv's modulo arm), 8 and 16 =
+    block_size, and the block K/V written past the context."""
     target = dn.load_target(targets["qwen3"], dtype=dtype)
     d = tiny.write_draft(tmp_path / kind, targets["qwen3"], kind=kind, block_size=16, conv_kernel_size=3,
                          layer_types=["sliding_attention", "full_attention"], sliding_window=3,
                          input_embedding_scale=1.5, init_std=0.2, seed=5)
     draft = load_draft(d, target)
-    _, taps = target.forward(np.arange(PREFILL) + 7, target.new_cache(64), tap_layers=draft.target_layer_ids)
-    state = draft.new_state(64)
-    draft.extend_context(state, taps, 0, np.arange(PREFILL))
+    _, taps = target.forward(np.arange(PREFILL + 3) + 7, target.new_cache(64), tap_layers=draft.target_layer_ids)
+    contexts = []
+    for engine in (False, True):  # the context update: a prefill of PREFILL rows, then 3 more
+        draft.fused = engine
+        state = draft.new_state(64)
+        spy = FusedSpy(monkeypatch, "context_update")
+        draft.extend_context(state, taps[:PREFILL], 0, np.arange(PREFILL))
+        draft.extend_context(state, taps[PREFILL:], PREFILL, np.arange(3))
+        assert spy.calls == (2 if engine else 0)
+        monkeypatch.undo()
+        contexts.append([state.k[:, :, :PREFILL + 3].copy(), state.v[:, :, :PREFILL + 3].copy()])
+    assert_all_equal(contexts[1], contexts[0])
+    state.length = PREFILL  # the block below sits at PREFILL (rows past it are scratch)
     for Q in (2, 5, 8, 16):
         out = []
         for engine in (False, True):

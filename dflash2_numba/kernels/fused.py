@@ -140,6 +140,17 @@ def _attention(q, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, bf16):
     return out
 
 
+@njit(inline="always")
+def _write_kv(kbuf, vbuf, start, k, v):
+    """K/V of row i (k, v [n, nkv, hd]) at position start+i of kbuf / vbuf [nkv, T, hd]."""
+    n, nkv, hd = k.shape
+    for i in range(n):
+        for g in range(nkv):
+            for j in range(hd):
+                kbuf[g, start + i, j] = k[i, g, j]
+                vbuf[g, start + i, j] = v[i, g, j]
+
+
 # ------------------------------------------------------------------ the layer
 @njit(cache=True)
 def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
@@ -178,11 +189,7 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
     kr = np.empty((n, nkv, hd), np.float32)  # [n, nkv, hd]
     _rope_rows(q.reshape(n, nh, hd), cos, sin, bf16, qr)
     _rope_rows(k.reshape(n, nkv, hd), cos, sin, bf16, kr)
-    for i in range(n):  # K/V of row i at position start+i
-        for g in range(nkv):
-            for j in range(hd):
-                kbuf[g, start + i, j] = kr[i, g, j]
-                vbuf[g, start + i, j] = v[i, g, j]
+    _write_kv(kbuf, vbuf, start, kr, v)
 
     o = _attention(qr, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, bf16)  # [n, nh, hd]
     _rnd(o, bf16)
@@ -203,6 +210,28 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
     if has_conv:
         y = _conv(y, d_mlp, mlp_base[1], group_size, block_len, and_arm != 0, bf16)
     _add_residual(h, y, bf16)
+
+
+# ------------------------------------------------------------------ the draft's context update
+@njit(cache=True)
+def context_update(x, fc, hidden_norm, wk, wv, k_norm, kcache, vcache, start, cos, sin, nkv, hd, eps, bf16,
+                   par_min_macs):
+    """The draft's context K/V of n committed tokens (spec §3), all layers in one call, as
+    DFlashDraft.extend_context computes them op by op:
+        c = rms(rnd?(x fc^T), hidden_norm);  per layer l: K = rope(k_norm(c Wk_l^T)), V = c Wv_l^T
+    x [n, n_taps*H] the taps; fc: panels of [H, n_taps*H]; wk, wv, k_norm: tuples over layers
+    (panels of [nkv*hd, H], [hd]); kcache / vcache [L, nkv, T, hd]: rows start..start+n-1 written."""
+    n = x.shape[0]
+    H = hidden_norm.shape[0]
+    if start + n > kcache.shape[2]:
+        raise ValueError("context_update: the context cache has no room for the tokens (reserve first)")
+    c = _rms(_linear(x, fc, H, par_min_macs, bf16), hidden_norm, eps, bf16)  # [n, H]
+    for l in range(len(wk)):
+        k = _rms(_linear(c, wk[l], nkv * hd, par_min_macs, bf16).reshape(n * nkv, hd), k_norm[l], eps, bf16)
+        kr = np.empty((n, nkv, hd), np.float32)  # [n, nkv, hd]
+        _rope_rows(k.reshape(n, nkv, hd), cos, sin, bf16, kr)
+        v = _linear(c, wv[l], nkv * hd, par_min_macs, bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+        _write_kv(kcache[l], vcache[l], start, kr, v)
 
 
 # ------------------------------------------------------------------ Python side

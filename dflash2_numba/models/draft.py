@@ -111,9 +111,15 @@ class DFlashDraft:
                 f"for target_layer_ids {c.target_layer_ids}")
         ops, linear, eps, nkv, hd = self.ops, self.ops.linear, c.rms_norm_eps, c.num_key_value_heads, c.head_dim
         x = np.ascontiguousarray(taps, dtype=np.float32)  # [n, n_taps*H]
-        ctx = ops.rms_norm(rnd_if(linear(x, self.fc), bf16), self.hidden_norm, eps, bf16)  # [n, H] c_t
         cos, sin = self.rope.span(start_pos, n)  # [n, hd]
         state.reserve(n + c.block_size)
+        if self._fusable() and fused.can_fuse(n, (self.fc,)):  # one numba call, the same bits
+            fused.context_update(x, self.fc.panels, self.hidden_norm, self._ctx_weights["k"], self._ctx_weights["v"],
+                                 self._ctx_weights["k_norm"], state.k, state.v, start_pos, cos, sin, nkv, hd,
+                                 np.float32(eps), bf16, fused.parallel_min_macs())
+            state.length = start_pos + n
+            return
+        ctx = ops.rms_norm(rnd_if(linear(x, self.fc), bf16), self.hidden_norm, eps, bf16)  # [n, H] c_t
         for i, L in enumerate(self.layers):
             k = rnd_if(linear(ctx, L["k"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
             k = ops.apply_rope(ops.rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
@@ -204,6 +210,9 @@ class DFlashDraft:
                 if self._fused_ok:
                     L["fused_weights"] = tuple(w.panels for w in weights)
                     L["fused_norms"] = (L["ln1"], L["ln2"], L["q_norm"], L["k_norm"])
+            self._ctx_weights = {"k": tuple(L["k"].panels for L in self.layers) if self._fused_ok else (),
+                                 "v": tuple(L["v"].panels for L in self.layers) if self._fused_ok else (),
+                                 "k_norm": tuple(L["k_norm"] for L in self.layers)}
         return self._fused_ok
 
     def _conv_weights(self, layer: dict) -> tuple:
