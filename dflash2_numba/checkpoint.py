@@ -180,6 +180,10 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
+    def parameter_count(self) -> int:
+        """Elements of every tensor in the checkpoint (ignored vision / MTP tensors included)."""
+        return sum(int(np.prod(t.shape, dtype=np.int64)) for t in self.tensors.values())
+
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
             raise MissingTensorsError(f"{self.directory}: tensor '{name}' not in the checkpoint")

@@ -75,7 +75,8 @@ def _prompt_options(f):
 
 def _model_options(f):
     f = click.option("--threads", type=int, default=None,
-                     help="numba threads for the CPU kernels (default: the physical cores).")(f)
+                     help="numba threads for the CPU kernels (default: the physical cores; 1 for a model "
+                          "under 32M parameters).")(f)
     f = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)(f)
     f = click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
                      help="f32: compute in float32 from bf16 weights; bf16: round activations like eager PyTorch.")(f)
@@ -110,7 +111,7 @@ def _read_prompt(prompt, prompt_file, prompt_ids):
 def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False):
     from . import api
     from .default import default_pair
-    from .kernels.backend import set_threads
+    from .kernels.backend import default_threads, set_threads
 
     set_threads(threads)
     if target_dir is None:
@@ -120,6 +121,8 @@ def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False):
         raise GenerationArgumentError("this command needs a draft: pass --draft DIR")
     target = api.load_target(target_dir, device=device, dtype=dtype)
     draft = api.load_draft(draft_dir, target) if draft_dir is not None else None
+    if threads is None:  # the default: the physical cores, one thread for a small model
+        set_threads(default_threads(target.checkpoint.parameter_count()))
     return target_dir, draft_dir, target, draft
 
 

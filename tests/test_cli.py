@@ -188,6 +188,32 @@ def test_threads_option_runs_and_the_stats_say_how_many(pair):
         numba.set_num_threads(before)
 
 
+def test_default_threads_one_for_a_small_model(pair, monkeypatch):
+    """Without --threads: one thread for a model under SMALL_MODEL_PARAMS (its products are too
+    small to pay for waking a second thread), the physical cores for a bigger one (the
+    threshold lowered here so the tiny test model counts as big). Red when the default ignores
+    the model size, or when --threads no longer overrides it."""
+    import numba
+
+    from dflash2_numba.kernels import backend
+
+    if numba.config.NUMBA_NUM_THREADS < 2 or backend.physical_cores() < 2:
+        pytest.skip("one core: every default is one thread")
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        r = run("generate", "--target", pair["target"], "--prompt-ids", IDS, "--max-new-tokens", 4)
+        assert r.exit_code == 0 and numba.get_num_threads() == 1 and "1 thread" in r.stderr
+        monkeypatch.setattr(backend, "SMALL_MODEL_PARAMS", 1)
+        r = run("generate", "--target", pair["target"], "--prompt-ids", IDS, "--max-new-tokens", 4)
+        assert r.exit_code == 0 and numba.get_num_threads() == 2 and "2 threads" in r.stderr
+        monkeypatch.undo()
+        r = run("generate", "--target", pair["target"], "--prompt-ids", IDS, "--max-new-tokens", 4, "--threads", 2)
+        assert r.exit_code == 0 and numba.get_num_threads() == 2 and "2 threads" in r.stderr
+    finally:
+        numba.set_num_threads(before)
+
+
 def test_first_run_notice_and_compile_time_kept_out_of_the_stats(pair, monkeypatch):
     """After `warm_up`, the timed generation compiles nothing (red on a warm-up that skips a path
     the run takes, e.g. the draft step — in a process whose kernels start uncompiled: this test

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import numba
 
 from ..kernels import linear as linear_kernels
+from ..kernels.linear import GEMV_MAX_ROWS
 from ..kernels.cache_check import kernel_cache_is_cold, kernels_compiled
 
 @contextmanager
@@ -36,7 +37,7 @@ NOTICE = "compiling numba kernels (first run only: they are cached for later run
 
 
 def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kwargs) -> float | None:
-    """Run the speculative path (and target-only too with `baseline` or no draft) on a 9-token
+    """Run the speculative path (and target-only too with `baseline` or no draft) on a 34-token
     prompt for the prefill token plus one full Q-row step, with the same sampling settings.
     NOTICE goes to `notice` (default: stderr) first when the kernel cache is cold. Returns the
     seconds spent when kernels were compiled (CPU cache misses, or any CUDA run), else None."""
@@ -46,8 +47,11 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
         (notice or (lambda text: print(text, file=sys.stderr, flush=True)))(NOTICE)
     before, t0 = kernels_compiled(), time.perf_counter()
     vocab = max(1, min(target.valid_vocab, target.config.vocab_size))
-    ids = [i % vocab for i in range(1, 10)]  # 9 rows: the blocked attention path of a prefill
     Q = generate_kwargs.get("block_size") or (draft.block_size if draft is not None else 1)
+    # GEMV_MAX_ROWS + 1 rows: a prefill longer than the fused layer takes (the op-by-op graph,
+    # BLAS, the blocked attention), as a real prompt's does; fewer if the model's positions end
+    room = getattr(target.config, "max_position_embeddings", 1 << 30) - Q - 2
+    ids = [i % vocab for i in range(1, 2 + max(1, min(GEMV_MAX_ROWS + 1, room)))]
     kw = {k: v for k, v in generate_kwargs.items() if k not in ("prompt_ids", "max_new_tokens", "stop_token_ids")}
     kw.update(prompt_ids=ids, max_new_tokens=Q + 1)  # the prefill token, then one Q-row step
     # the parallel drivers run only above a size threshold that a short prompt never reaches (a

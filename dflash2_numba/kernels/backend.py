@@ -57,14 +57,33 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+# Parameters below which the default is ONE thread, however many cores there are. Measured on
+# the 2-core dev VM (bench/results/speed_run.txt; decode tok/s, 2 threads vs 1): the embedded
+# target (5M parameters, ~0.7 ms a token) decodes at ~600 tok/s on two threads against ~1150 on
+# one, speculation on it ~480 against ~1190: its products are a few microseconds each, and
+# waking the second thread for them (the pool sleeps between the Python steps) costs more than
+# it saves. The ~120M target gains ~1.8x from the second thread (57 -> 103 tok/s).
+SMALL_MODEL_PARAMS = 32_000_000
+
+
+def default_threads(model_params: int | None = None) -> int:
+    """The thread count a run gets without --threads: the physical cores (at most numba's pool),
+    or 1 for a model of fewer than SMALL_MODEL_PARAMS parameters."""
+    import numba
+
+    if model_params is not None and model_params < SMALL_MODEL_PARAMS:
+        return 1
+    return min(physical_cores(), numba.config.NUMBA_NUM_THREADS)
+
+
 def set_threads(n: int | None = None) -> int:
-    """numba threads the kernels run with: n, or the physical cores (at most numba's pool size).
-    Products below each kernel's measured threshold stay serial whatever this says."""
+    """numba threads the kernels run with: n, or `default_threads()`. Products below each
+    kernel's measured threshold stay serial whatever this says."""
     import numba
 
     pool = numba.config.NUMBA_NUM_THREADS
     if n is None:
-        n = min(physical_cores(), pool)
+        n = default_threads()
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= pool:
         raise GenerationArgumentError(
             f"--threads {n!r}: expected an integer in 1..{pool} (numba's thread pool; NUMBA_NUM_THREADS)")
