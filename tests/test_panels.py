@@ -95,3 +95,22 @@ def test_layout_of_one_panel():
     for k in range(3):
         assert list(panels[0, k, 0:4]) == [w[0, k], w[16, k], w[1, k], w[17, k]]
         assert panels[1, k, 0] == w[32, k] and panels[1, k, 2 * 8] == 0  # column 40: padding
+
+
+def test_grouped_product_equals_the_separate_ones():
+    """group_panels: one product over q | k | v gives each part's columns bit for bit, and each
+    weight's panels become a view of the group (no second copy in memory)."""
+    rng = np.random.default_rng(10)
+    ws = [P.pack_bf16(bf16_weight(rng, n, 48)) for n in (96, 40, 40)]
+    alone = [np.asarray(w.panels).copy() for w in ws]
+    x = rng.standard_normal((5, 48)).astype(np.float32)
+    separate = [linear(x, w) for w in ws]
+    group, offsets = P.group_panels(ws)
+    assert offsets == (0, 128, 256)  # each part padded to whole 128-column work items
+    for w, a in zip(ws, alone):
+        assert np.shares_memory(w.panels, group) and np.array_equal(w.panels, a)
+    y = np.empty((5, group.shape[0] * P.PANEL_COLS), np.float32)
+    P.gemv_panels(x, group, y, False)
+    for sep, at, w in zip(separate, offsets, ws):
+        assert np.array_equal(y[:, at:at + w.shape[0]], sep)
+        assert np.array_equal(linear(x, w), sep)  # the op-by-op path, now on the view

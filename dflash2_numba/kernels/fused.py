@@ -36,7 +36,7 @@ from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
 from .attention import TRANSPOSE_MIN_ROWS, _attention_par, _attention_ser
 from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
 from .linear import GEMV_MAX_ROWS
-from .panels import gemv_panels
+from .panels import PANEL_COLS, gemv_panels, group_panels
 from .rowwise import _rms_norm_rows, _rope_rows, _swiglu_rows
 
 NEVER = np.iinfo(np.int64).max  # par_min_macs with one thread: no product goes parallel
@@ -157,18 +157,20 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
                   causal, window, eps, bf16, par_min_macs):
     """One pre-norm decoder layer on h [n, H] (in place); see the module docstring.
 
-    weights the panels (kernels/panels.py) of wq [nh*hd, H], wk [nkv*hd, H], wv,
-            wo [H, nh*hd], wg [I, H], wu, wd [H, I]
+    weights (wqkv, wo, wgu, wd): panels (kernels/panels.py); wqkv = q [nh*hd, H], k, v [nkv*hd, H]
+            grouped (panels.group_panels: ONE product), wo [H, nh*hd], wgu = gate, up [I, H]
+            grouped, wd [H, I]
     norms   (ln1 [H], ln2 [H], q_norm [hd], k_norm [hd]); q_norm of size 0 = no qk norm (Llama)
     conv    (att_proj, mlp_proj: panels of [2*taps*G, H]; att_base, mlp_base [2, taps, H]);
             0-size = none
     kbuf, vbuf [nkv, >= start+n, hd]: the layer's K/V buffer; rows start..start+n-1 are written
-    shape   (nh, nkv, hd, taps, group_size, block_len, and_arm) ints
+    shape   (nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, u_at) ints; *_at: the
+            first column of k / v / up in its group's output
     """
-    wq, wk, wv, wo, wg, wu, wd = weights
+    wqkv, wo, wgu, wd = weights
     ln1, ln2, q_norm, k_norm = norms
     att_proj, mlp_proj, att_base, mlp_base = conv
-    nh, nkv, hd, taps, group_size, block_len, and_arm = shape
+    nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, u_at = shape
     n, H = h.shape
     inter = wd.shape[1]  # I: the down projection's input features
     has_conv = att_proj.size > 0
@@ -179,9 +181,10 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
     if has_conv:
         a, d_att = _conv_prepare(a, att_proj, att_base, taps, group_size, block_len, and_arm != 0,
                                  par_min_macs, bf16)
-    q = _linear(a, wq, nh * hd, par_min_macs, bf16).reshape(n * nh, hd)  # [n*nh, hd]
-    k = _linear(a, wk, nkv * hd, par_min_macs, bf16).reshape(n * nkv, hd)  # [n*nkv, hd]
-    v = _linear(a, wv, nkv * hd, par_min_macs, bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+    qkv = _linear(a, wqkv, wqkv.shape[0] * PANEL_COLS, par_min_macs, bf16)  # [n, q | k | v padded]
+    q = np.ascontiguousarray(qkv[:, :nh * hd]).reshape(n * nh, hd)  # [n*nh, hd]
+    k = np.ascontiguousarray(qkv[:, k_at:k_at + nkv * hd]).reshape(n * nkv, hd)  # [n*nkv, hd]
+    v = np.ascontiguousarray(qkv[:, v_at:v_at + nkv * hd]).reshape(n, nkv, hd)  # [n, nkv, hd]
     if q_norm.size > 0:  # per-head RMSNorm over hd, before RoPE
         q = _rms(q, q_norm, eps, bf16)
         k = _rms(k, k_norm, eps, bf16)
@@ -202,10 +205,9 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
     if has_conv:
         m, d_mlp = _conv_prepare(m, mlp_proj, mlp_base, taps, group_size, block_len, and_arm != 0,
                                  par_min_macs, bf16)
-    g_ = _linear(m, wg, inter, par_min_macs, bf16)  # [n, I]
-    u_ = _linear(m, wu, inter, par_min_macs, bf16)  # [n, I]
-    s = np.empty(g_.shape, np.float32)  # [n, I]
-    _swiglu_rows(g_, u_, bf16, s)
+    gu = _linear(m, wgu, wgu.shape[0] * PANEL_COLS, par_min_macs, bf16)  # [n, gate | up padded]
+    s = np.empty((n, inter), np.float32)  # [n, I]
+    _swiglu_rows(np.ascontiguousarray(gu[:, :inter]), np.ascontiguousarray(gu[:, u_at:u_at + inter]), bf16, s)
     y = _linear(s, wd, H, par_min_macs, bf16)  # [n, H]
     if has_conv:
         y = _conv(y, d_mlp, mlp_base[1], group_size, block_len, and_arm != 0, bf16)
@@ -235,10 +237,22 @@ def context_update(x, fc, hidden_norm, wk, wv, k_norm, kcache, vcache, start, co
 
 
 # ------------------------------------------------------------------ Python side
-def layer_args(nh: int, nkv: int, hd: int, taps: int = 0, group_size: int = 0, block_len: int = 0):
-    """The `shape` tuple of decoder_layer (conv fields 0 for layers without the conv)."""
+def layer_args(nh: int, nkv: int, hd: int, offsets: tuple, taps: int = 0, group_size: int = 0,
+               block_len: int = 0):
+    """The `shape` tuple of decoder_layer; offsets = (k_at, v_at, u_at) from fuse_weights; conv
+    fields 0 for layers without the conv."""
     and_arm = int(uses_and_arm(block_len)) if block_len else 0
-    return (int(nh), int(nkv), int(hd), int(taps), int(group_size), int(block_len), and_arm)
+    return (int(nh), int(nkv), int(hd), int(taps), int(group_size), int(block_len), and_arm,
+            *(int(o) for o in offsets))
+
+
+def fuse_weights(layer: dict) -> tuple[tuple, tuple]:
+    """A layer's weights for decoder_layer -> ((wqkv, wo, wgu, wd) panels, (k_at, v_at, u_at)).
+    q / k / v and gate / up are grouped into one product each (their own `.panels` become views
+    of the group, so the op-by-op path reads the same memory)."""
+    qkv, (_, k_at, v_at) = group_panels([layer["q"], layer["k"], layer["v"]])
+    gu, (_, u_at) = group_panels([layer["gate"], layer["up"]])
+    return (qkv, layer["o"].panels, gu, layer["down"].panels), (k_at, v_at, u_at)
 
 
 def can_fuse(n_rows: int, weights: tuple = ()) -> bool:

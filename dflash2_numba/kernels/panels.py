@@ -81,6 +81,25 @@ def pack_bf16(w: np.ndarray) -> np.ndarray:
     return packed
 
 
+def group_panels(weights: list) -> tuple[np.ndarray, tuple[int, ...]]:
+    """One product for several weights that read the same input (q, k, v; gate, up): their
+    panels concatenated along the panel axis -> (panels [sum NP, K, 32], the first column of
+    each part in the grouped output). Each part keeps its padding to whole work items, so
+    every weight's `.panels` is re-pointed to its slice of the group (a view: no extra memory)
+    and a product over the group gives each output column the same fma chain as the weight
+    alone."""
+    parts = [w.panels for w in weights]
+    if any(p is None or p.shape[1] != parts[0].shape[1] for p in parts):
+        raise ValueError("group_panels: every weight must be packed and read the same input features")
+    group = np.concatenate(parts, axis=0)  # [sum NP, K, 32]
+    offsets, at = [], 0
+    for w, p in zip(weights, parts):
+        offsets.append(at * PANEL_COLS)
+        w.panels = group[at:at + p.shape[0]]
+        at += p.shape[0]
+    return group, tuple(offsets)
+
+
 # ------------------------------------------------------------------ micro-kernels (LLVM IR)
 def _tile(R: int, C: int, prefetch_steps: int = 0):
     """An intrinsic tile(x, m0, panels, p0, y, ycol): for rows m0..m0+R-1 of x [M, K] and

@@ -120,7 +120,7 @@ class DFlash2Draft(DFlashDraft):
     def _fused_shape(self, n_rows: int) -> tuple:
         """The conv block length is the runtime Q of the step (spec §4.2)."""
         c = self.config
-        return fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+        return fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim, self._fused_offsets,
                                 self.taps, self.group_size, n_rows)
 
     # ------------------------------------------------------------------ proposing

@@ -207,9 +207,9 @@ class DFlashDraft:
             for L in self.layers:
                 weights = tuple(L[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
                 self._fused_ok &= fused.can_fuse(1, weights + self._conv_weights(L))
-                if self._fused_ok:
-                    L["fused_weights"] = tuple(w.panels for w in weights)
-                    L["fused_norms"] = (L["ln1"], L["ln2"], L["q_norm"], L["k_norm"])
+            for L in self.layers if self._fused_ok else ():
+                L["fused_weights"], self._fused_offsets = fused.fuse_weights(L)  # same offsets per layer
+                L["fused_norms"] = (L["ln1"], L["ln2"], L["q_norm"], L["k_norm"])
             self._ctx_weights = {"k": tuple(L["k"].panels for L in self.layers) if self._fused_ok else (),
                                  "v": tuple(L["v"].panels for L in self.layers) if self._fused_ok else (),
                                  "k_norm": tuple(L["k_norm"] for L in self.layers)}
@@ -225,7 +225,7 @@ class DFlashDraft:
 
     def _fused_shape(self, n_rows: int) -> tuple:
         c = self.config
-        return fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        return fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim, self._fused_offsets)
 
     # ------------------------------------------------------------------ proposing
     def _check_propose(self, n_rows: int) -> None:

@@ -133,13 +133,14 @@ class TargetModel:
             return None
         c, out = self.config, []
         no_norm = np.empty(0, np.float32)
+        if not all(fused.can_fuse(1, tuple(L[n] for n in ("q", "k", "v", "o", "gate", "up", "down")))
+                   for L in self.layers):
+            return None
         for L in self.layers:
-            weights = tuple(L[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
-            if not fused.can_fuse(1, weights):
-                return None
+            weights, offsets = fused.fuse_weights(L)  # the same offsets in every layer
             norms = (L["ln1"], L["ln2"], L.get("q_norm", no_norm), L.get("k_norm", no_norm))
-            out.append((tuple(w.panels for w in weights), norms, fused.NO_CONV))
-        self._fused_shape = fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            out.append((weights, norms, fused.NO_CONV))
+        self._fused_shape = fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim, offsets)
         return out
 
     @classmethod
