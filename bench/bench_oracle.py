@@ -2,7 +2,7 @@
 Qwen3 target, Q in {2, 4, 8, 16}, against autoregressive decoding, measured in one run.
 
     python bench/bench_oracle.py [--new-tokens 64] [--context 128] [--repeat 5] [--device cpu]
-                                 [--target DIR]
+                                 [--target DIR] [--threads N]
 
 --target measures another target (e.g. the embedded default, dflash2_numba/assets/default/target)
 instead of the random ~100M one: the ceiling any draft can reach on that target and machine.
@@ -89,7 +89,12 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", choices=["cpu", "numpy", "cuda"])
     ap.add_argument("--target", type=Path, default=None, help="target directory (default: the "
                     "random ~100M Qwen3, written once)")
+    ap.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's own)")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        from dflash2_numba.kernels.backend import set_threads
+
+        set_threads(args.threads)
 
     path = args.target if args.target is not None else build_target()
     if args.device == "numpy":  # the plain-numpy reference path (ops switch), for comparison
@@ -101,8 +106,10 @@ def main(argv=None):
     else:
         target = load_target(path, device=args.device)
     prompt = np.random.default_rng(0).integers(0, target.valid_vocab, args.context).tolist()
+    import numba
+
     print(f"target {path}: {n_params(target) / 1e6:.0f}M params, device {args.device}, "
-          f"context {args.context}, {args.new_tokens} new tokens")
+          f"context {args.context}, {args.new_tokens} new tokens, numba threads {numba.get_num_threads()}")
 
     # ---- warm-up: compile every kernel shape the runs below use
     generate(target, None, prompt_ids=prompt[:8], max_new_tokens=3)
