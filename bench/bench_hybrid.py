@@ -14,29 +14,15 @@ attention) into the cache dir, then prints:
      every step rolls back) with `commit` timed inside the loop: its share of decode time.
 """
 
-import argparse
 import os
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_args import decode_bench_args  # noqa: E402  (bench/decode_args.py; before numpy)
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--prefill", type=int, default=16)
-    ap.add_argument("--Q", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--cache-dir", type=Path,
-                    default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash2_numba")
-    return ap.parse_args()
-
-
-ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.threads:  # must precede the numpy / numba imports
-    for var in ("NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-        os.environ[var] = str(ARGS.threads)
+ARGS = decode_bench_args(__doc__, with_q=True) if __name__ == "__main__" else None
 
 import numpy as np  # noqa: E402
 
