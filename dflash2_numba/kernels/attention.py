@@ -118,7 +118,7 @@ def _exp_f32(x):
     return p * _u32_as_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
 
 
-@njit(cache=True)  # deliberately NOT fastmath: reassociation would undo the Cody-Waite split
+@njit(cache=True, nogil=True)  # deliberately NOT fastmath: reassociation would undo the Cody-Waite split
 def _exp_shifted(s, n, mx):
     """s[:n] = exp(s[:n] - mx) in place. s [>=n] f32."""
     for t in range(n):
@@ -239,13 +239,13 @@ def _n_items(q, k, transposed):
 # Drivers: parallel over items and a serial twin for small work (fork/join would dominate). The
 # item functions are inlined at numba-IR level, so the drivers' fastmath ("reassoc", which lets
 # LLVM vectorise the reductions) applies to them.
-@njit(parallel=True, fastmath={"reassoc"}, cache=True)
+@njit(parallel=True, fastmath={"reassoc"}, cache=True, nogil=True)
 def _attention_par(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
     for item in prange(_n_items(q, k, transposed)):
         _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item)
 
 
-@njit(fastmath={"reassoc"}, cache=True)
+@njit(fastmath={"reassoc"}, cache=True, nogil=True)
 def _attention_ser(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
     for item in range(_n_items(q, k, transposed)):
         _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item)

@@ -120,7 +120,7 @@ def _spread_groups(delta_nt, d_row, group_size):
             d_row[g * group_size + s] = delta_nt[g]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _grouped_conv_f32(x, delta, base, out, group_size, block_len, and_arm):
     # x [N, H] f32, delta [N, taps, G] f32, base [taps, H] f32 -> out [N, H] f32
     n_rows, hidden = x.shape
@@ -141,7 +141,7 @@ def _grouped_conv_f32(x, delta, base, out, group_size, block_len, and_arm):
         out[n] = acc
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _grouped_conv_bf16(x, delta, base, out, group_size, block_len, and_arm):
     # x [N, H] u16, delta [N, taps, G] u16, base [taps, H] u16 -> out [N, H] u16 (bf16 bits)
     n_rows, hidden = x.shape

@@ -152,7 +152,7 @@ def _write_kv(kbuf, vbuf, start, k, v):
 
 
 # ------------------------------------------------------------------ the layer
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
                   causal, window, eps, bf16, par_min_macs):
     """One pre-norm decoder layer on h [n, H] (in place); see the module docstring.
@@ -215,7 +215,7 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
 
 
 # ------------------------------------------------------------------ the draft's context update
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def context_update(x, fc, hidden_norm, wk, wv, k_norm, kcache, vcache, start, cos, sin, nkv, hd, eps, bf16,
                    par_min_macs):
     """The draft's context K/V of n committed tokens (spec §3), all layers in one call, as

@@ -70,7 +70,7 @@ def short_conv_reference(window: np.ndarray, w: np.ndarray, bf16: bool = False) 
     return round_bf16_array(out) if bf16 else out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _short_conv_kernel(window, w, bf16, out):
     n, C = out.shape
     K = w.shape[1]
@@ -121,7 +121,7 @@ def gated_delta_rule_reference(q, k, v, g, beta, state_in, state_out=None) -> np
     return o
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _delta_kernel(q, k, v, g, beta, state_in, state_out, o):
     n, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]

@@ -163,13 +163,13 @@ def _gemv_block(x, w, y, b):
 # a fork/join costs more than it saves (and, on busy cores, OpenMP barriers stall). The block
 # functions are inlined at numba-IR level, so the drivers' fastmath applies: "reassoc" lets
 # LLVM vectorise the K reductions, "contract" fuses their multiply-adds into FMAs.
-@njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
+@njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True, nogil=True)
 def _gemv_par(x, w, y):
     for b in prange((w.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
         _gemv_block(x, w, y, b)
 
 
-@njit(fastmath={"reassoc", "contract"}, cache=True)
+@njit(fastmath={"reassoc", "contract"}, cache=True, nogil=True)
 def _gemv_ser(x, w, y):
     for b in range((w.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
         _gemv_block(x, w, y, b)

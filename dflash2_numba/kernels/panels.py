@@ -223,13 +223,13 @@ def _item(x, panels, y, b):
             y[r, n0 + j] = scratch[r, j]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _gemv_panels_par(x, panels, y):
     for b in prange(panels.shape[0] // ITEM_PANELS):
         _item(x, panels, y, b)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _gemv_panels_ser(x, panels, y):
     for b in range(panels.shape[0] // ITEM_PANELS):
         _item(x, panels, y, b)

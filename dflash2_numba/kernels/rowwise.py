@@ -53,7 +53,7 @@ def _pairwise_leaf(a, lo, n):
     return res
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _pairwise_sum(a, n):
     """sum(a[:n]) in f32 in numpy's pairwise order (numpy/_core/src/umath/loops_utils.h.src):
     above PAIRWISE_BLOCK, pairwise(lo, n) = pairwise(lo, n2) + pairwise(lo + n2, n - n2) with
@@ -83,7 +83,7 @@ def _pairwise_sum(a, n):
     return sums[0]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rms_norm_rows(x, w, eps, bf16, out):
     """x [rows, D] f32 C-contiguous, w [D] f32 -> out [rows, D]:
     out = rnd?(w * rnd?(x * (1 / sqrt(mean(x^2) + eps))))."""
@@ -115,7 +115,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, bf16: bool = False) -> np
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rope_rows(x, cos, sin, bf16, out):
     """x [n, heads, hd], cos/sin [n, hd] -> out = rnd?(rnd?(x*cos) + rnd?(rotate_half(x)*sin)),
     rotate_half(x) = [-x2, x1] (NeoX halves)."""
@@ -146,7 +146,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, bf16: bool = Fal
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _swiglu_rows(g, u, bf16, out):
     """g, u [rows, I] f32 -> out = rnd?(rnd?(silu(g)) * u), silu(x) = x / (1 + exp(-x)) in f32
     (exp overflow for very negative x gives -0, as torch). One definition for the op-by-op CPU
