@@ -10,6 +10,10 @@
 Importing the package is cheap: models and kernels load on first use.
 """
 
+from .kernels.isa import apply_override as _apply_isa_override
+
+_apply_isa_override()  # DFLASH2_ISA must reach numba's config before anything compiles
+
 from .api import draft_kind, load_draft, load_target
 from .decode.drafter import Drafter, OracleDrafter, Proposal
 from .decode.loop import GenerationResult, StepResult, generate, propose_once, stream_generate
@@ -22,7 +26,7 @@ from .errors import (AttentionSinkBiasError, ChatTemplateMissingError, Checkpoin
                      UnexpectedTensorsError, UnknownArchitectureError, UnsupportedConfigError,
                      ChatTemplateError, ConfigValueError, ContextLengthError, CorruptHeaderError,
                      DataOffsetError, KernelCacheError, NonFiniteLogitsError, OutputPathError,
-                     UnknownDTypeError)
+                     UnknownDTypeError, IsaUnavailableError, QuantizeError)
 
 __version__ = "0.1.0"
 
@@ -35,5 +39,5 @@ __all__ = [
     "UnsupportedConfigError", "PairingError", "SelectorRefusedError", "ChatTemplateMissingError",
     "DeviceUnavailableError", "GenerationArgumentError", "ChatTemplateError", "ConfigValueError",
     "ContextLengthError", "CorruptHeaderError", "DataOffsetError", "KernelCacheError",
-    "NonFiniteLogitsError", "OutputPathError", "UnknownDTypeError",
+    "NonFiniteLogitsError", "OutputPathError", "UnknownDTypeError", "IsaUnavailableError", "QuantizeError",
 ]

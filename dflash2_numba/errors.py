@@ -30,6 +30,8 @@ Hierarchy (catch `DFlashError` for "anything this package refused"):
       KernelCacheError                 an unreadable file in numba's cache directory (names it)
       KernelArgumentError              kernel called with shapes / sizes it cannot honour  (also a ValueError)
       KernelDTypeError                 kernel called with a dtype mix it does not implement (also a TypeError)
+      IsaUnavailableError              DFLASH2_ISA names a path the compile target lacks, or comes too late
+      QuantizeError                    a weight that cannot be quantized (names tensor, format, expected, actual)
 """
 
 
@@ -147,3 +149,13 @@ class KernelArgumentError(DFlashError, ValueError):
 
 class KernelDTypeError(DFlashError, TypeError):
     """A kernel got a dtype combination it does not implement (names every argument's dtype)."""
+
+
+# ---------------------------------------------------------------- instruction sets, quantization
+class IsaUnavailableError(DFlashError):
+    """DFLASH2_ISA asks for a path above what numba's compile target has (or after numba's
+    codegen was built): names the override, the target and its best path."""
+
+
+class QuantizeError(DFlashError, ValueError):
+    """A weight or option that cannot be quantized: names the tensor, the format, expected, actual."""

@@ -26,9 +26,18 @@ starting from 0, whatever the tile, the number of rows or the thread split. So a
 rows gives bit for bit the logits of 8 single-row steps (tests/test_panels.py checks this), and
 the result differs from the row-layout kernel (a reassociated vector sum) only by rounding.
 
-Tiles: rows in groups of 4 against 2 panels (4 x 64 accumulators = 16 zmm), then 2 rows x 4
-panels, then 1 row x 4 panels. Measured on one AVX-512 core (bench/bench_gemv.py) 4x2 beat
-8x1 and 8x2: two weight streams per k-step, and the x broadcasts are loads, not FMAs.
+Tiles are sized per register file (kernels/isa.py, what numba compiles for):
+- 512-bit (32 zmm): <16 x float> vectors; rows in groups of 4 against 2 panels (4 x 64
+  accumulators = 16 zmm), then 2 rows x 4 panels, then 1 row x 4 panels. Measured on one
+  AVX-512 core (bench/bench_gemv.py) 4x2 beat 8x1 and 8x2: two weight streams per k-step, and
+  the x broadcasts are loads, not FMAs.
+- 256-bit (16 ymm: AVX2, AVX-VNNI) and narrower: <8 x float> vectors over HALF a panel (lanes
+  0..7 or 8..15: columns 0..7 + 16..23, or 8..15 + 24..31). 4 rows x half a panel is 8 ymm
+  accumulators + 2 weight vectors + 1 broadcast, which fits 16 registers with no spill (the
+  512-bit 4x2 tile needs 32 ymm accumulators on AVX2 and spilled: ~1/3 of FMA peak). Remainders:
+  2 rows x 2 half-panels, 1 row x 4 half-panels (8 accumulators each).
+The tile shape never changes an output's chain (one fma per k, in order), so every path gives
+the same bits.
 """
 
 import numpy as np
@@ -36,6 +45,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from . import isa
 
 PANEL_COLS = 32  # output columns per panel
 LANES = PANEL_COLS // 2  # f32 lanes per accumulator vector (one zmm)
@@ -101,47 +112,50 @@ def group_panels(weights: list) -> tuple[np.ndarray, tuple[int, ...]]:
 
 
 # ------------------------------------------------------------------ micro-kernels (LLVM IR)
-def _tile(R: int, C: int, prefetch_steps: int = 0):
-    """An intrinsic tile(x, m0, panels, p0, y, ycol): for rows m0..m0+R-1 of x [M, K] and
-    panels p0..p0+C-1, y[m0 + r, ycol + 32c + j] = sum_k x[m0 + r, k] * w(panel p0 + c, k, j)
-    as one fma chain over k. x, panels, y C-contiguous; y [>= m0+R, >= ycol+32C] f32.
+def _tile(R: int, C: int, prefetch_steps: int = 0, V: int = LANES):
+    """An intrinsic tile(x, m0, panels, p0, lane0, y, ycol): for rows m0..m0+R-1 of x [M, K],
+    panels p0..p0+C-1 and lanes lane0..lane0+V-1 of each (V = LANES: the whole panel),
+    y[m0 + r, ycol + 32c + j] = sum_k x[m0 + r, k] * w(panel p0 + c, k, j) as one fma chain over
+    k, for the columns j = lane0 + i and 16 + lane0 + i (i < V) the lanes hold. x, panels, y
+    C-contiguous; y [>= m0+R, >= ycol+32C] f32.
     prefetch_steps > 0: each k-step also prefetches its panels that many k-steps ahead (a
     prefetch past the end of the array is harmless: it never faults)."""
 
     @intrinsic
-    def tile(typingctx, x, m0, panels, p0, y, ycol):
+    def tile(typingctx, x, m0, panels, p0, lane0, y, ycol):
         if not (isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32 and x.ndim == 2
                 and isinstance(panels, types.Array) and panels.layout == "C" and panels.ndim == 3
                 and panels.dtype == types.uint16 and isinstance(y, types.Array) and y.layout == "C"
                 and y.dtype == types.float32 and y.ndim == 2):
             return None
-        sig = types.void(x, types.int64, panels, types.int64, y, types.int64)
+        sig = types.void(x, types.int64, panels, types.int64, types.int64, y, types.int64)
 
         def codegen(context, builder, signature, args):
-            xv, m0, pv, p0, yv, ycol = args
+            xv, m0, pv, p0, lane0, yv, ycol = args
             xa = context.make_array(signature.args[0])(context, builder, xv)
             pa = context.make_array(signature.args[2])(context, builder, pv)
-            ya = context.make_array(signature.args[4])(context, builder, yv)
+            ya = context.make_array(signature.args[5])(context, builder, yv)
             K = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
             ldy = cgutils.unpack_tuple(builder, ya.shape, 2)[1]
             f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-            vf, vi = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
+            vf, vi = ir.VectorType(f32, V), ir.VectorType(i32, V)
 
             def const(v):
                 return ir.Constant(i64, v)
 
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
-                                                 f"llvm.fma.v{LANES}f32")
+                                                 f"llvm.fma.v{V}f32")
             prefetch = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
                 "llvm.prefetch.p0i8")
-            zero = ir.Constant(vf, [0.0] * LANES)
-            lo_shift = ir.Constant(vi, [16] * LANES)
-            hi_mask = ir.Constant(vi, [-65536] * LANES)  # 0xFFFF0000
+            zero = ir.Constant(vf, [0.0] * V)
+            lo_shift = ir.Constant(vi, [16] * V)
+            hi_mask = ir.Constant(vi, [-65536] * V)  # 0xFFFF0000
             panel_words = builder.mul(K, const(LANES))  # u32 words per panel
             x0 = builder.gep(xa.data, [builder.mul(m0, K)])  # &x[m0, 0]
-            w0 = builder.gep(builder.bitcast(pa.data, i32.as_pointer()), [builder.mul(p0, panel_words)])
-            y0 = builder.gep(ya.data, [builder.add(builder.mul(m0, ldy), ycol)])  # &y[m0, ycol]
+            w0 = builder.gep(builder.bitcast(pa.data, i32.as_pointer()),  # lane lane0 of panel p0
+                             [builder.add(builder.mul(p0, panel_words), lane0)])
+            y0 = builder.gep(ya.data, [builder.add(builder.mul(m0, ldy), builder.add(ycol, lane0))])
 
             entry = builder.block
             loop = builder.append_basic_block("tile.k")
@@ -159,10 +173,10 @@ def _tile(R: int, C: int, prefetch_steps: int = 0):
                     builder.call(prefetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()),
                                             ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
                 lanes = builder.load(builder.bitcast(builder.gep(w0, [at]), vi.as_pointer()), align=4)
-                weights.append(builder.bitcast(builder.shl(lanes, lo_shift), vf))  # columns 0..15
-                weights.append(builder.bitcast(builder.and_(lanes, hi_mask), vf))  # columns 16..31
+                weights.append(builder.bitcast(builder.shl(lanes, lo_shift), vf))  # columns lane0 + i
+                weights.append(builder.bitcast(builder.and_(lanes, hi_mask), vf))  # columns 16 + lane0 + i
             undef = ir.Constant(vf, ir.Undefined)
-            splat = ir.Constant(vi, [0] * LANES)
+            splat = ir.Constant(vi, [0] * V)
             new = []
             for r in range(R):
                 xs = builder.load(builder.gep(x0, [builder.add(builder.mul(const(r), K), k)]))
@@ -185,7 +199,8 @@ def _tile(R: int, C: int, prefetch_steps: int = 0):
                     out[r][c].add_incoming(new[r][c], loop)
             for r in range(R):
                 for c in range(2 * C):
-                    at = builder.add(builder.mul(const(r), ldy), const(c * LANES))
+                    # accumulator c: panel c // 2, low (columns lane0 + i) or high (16 + lane0 + i) half
+                    at = builder.add(builder.mul(const(r), ldy), const((c // 2) * PANEL_COLS + (c % 2) * LANES))
                     builder.store(out[r][c], builder.bitcast(builder.gep(y0, [at]), vf.as_pointer()), align=4)
             return context.get_dummy_value()
 
@@ -194,29 +209,66 @@ def _tile(R: int, C: int, prefetch_steps: int = 0):
     return tile
 
 
-_tile_4x2 = _tile(4, 2, PREFETCH_STEPS)
-_tile_2x4 = _tile(2, 4, PREFETCH_STEPS)
-_tile_1x4 = _tile(1, 4, PREFETCH_STEPS)
+WIDE = isa.vector_bits() >= 512  # the register file numba compiles for: 32 zmm, or 16 ymm / xmm
+if WIDE:
+    _tile_4x2 = _tile(4, 2, PREFETCH_STEPS)
+    _tile_2x4 = _tile(2, 4, PREFETCH_STEPS)
+    _tile_1x4 = _tile(1, 4, PREFETCH_STEPS)
+else:  # half-panel tiles of <8 x float>: 8 accumulators each (see the module docstring)
+    _tile_4x1h = _tile(4, 1, PREFETCH_STEPS, LANES // 2)
+    _tile_2x2h = _tile(2, 2, PREFETCH_STEPS, LANES // 2)
+    _tile_1x4h = _tile(1, 4, PREFETCH_STEPS, LANES // 2)
 
 
 # ------------------------------------------------------------------ drivers
+@njit(inline="always")
+def _item_wide(x, panels, scratch, p0):
+    """512-bit tiles: 4x2 over every group of 4 rows (the pair of panels stays in cache), then
+    2x4, then 1x4. scratch [M, 128] <- the item's padded columns."""
+    M = x.shape[0]
+    full = M - M % 4
+    for half in range(2):
+        for m0 in range(0, full, 4):
+            _tile_4x2(x, m0, panels, p0 + 2 * half, 0, scratch, half * 2 * PANEL_COLS)
+    m0 = full
+    if M - m0 >= 2:
+        _tile_2x4(x, m0, panels, p0, 0, scratch, 0)
+        m0 += 2
+    if M - m0 == 1:
+        _tile_1x4(x, m0, panels, p0, 0, scratch, 0)
+
+
+@njit(inline="always")
+def _item_narrow(x, panels, scratch, p0):
+    """256-bit tiles: per panel and lane half, 4 rows at a time; then 2 rows x 2 panels and
+    1 row x 4 panels per lane half."""
+    M = x.shape[0]
+    full = M - M % 4
+    for p in range(ITEM_PANELS):
+        for lane0 in range(0, LANES, LANES // 2):
+            for m0 in range(0, full, 4):
+                _tile_4x1h(x, m0, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
+    m0 = full
+    if M - m0 >= 2:
+        for lane0 in range(0, LANES, LANES // 2):
+            for p in range(0, ITEM_PANELS, 2):
+                _tile_2x2h(x, m0, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
+        m0 += 2
+    if M - m0 == 1:
+        for lane0 in range(0, LANES, LANES // 2):
+            _tile_1x4h(x, m0, panels, p0, lane0, scratch, 0)
+
+
+_item_tiles = _item_wide if WIDE else _item_narrow
+
+
 @njit(inline="always")
 def _item(x, panels, y, b):
     """Output columns b*128 .. b*128+127 (panels 4b..4b+3) for every row of x; y [M, N]."""
     M = x.shape[0]
     N = y.shape[1]
     scratch = np.empty((M, ITEM_COLS), np.float32)  # [M, 128] the item's padded columns
-    p0 = b * ITEM_PANELS
-    full = M - M % 4
-    for half in range(2):  # 2 panels at a time, every group of 4 rows (the pair stays in cache)
-        for m0 in range(0, full, 4):
-            _tile_4x2(x, m0, panels, p0 + 2 * half, scratch, half * 2 * PANEL_COLS)
-    m0 = full
-    if M - m0 >= 2:
-        _tile_2x4(x, m0, panels, p0, scratch, 0)
-        m0 += 2
-    if M - m0 == 1:
-        _tile_1x4(x, m0, panels, p0, scratch, 0)
+    _item_tiles(x, panels, scratch, b * ITEM_PANELS)
     n0 = b * ITEM_COLS
     for r in range(M):
         for j in range(min(ITEM_COLS, N - n0)):
