@@ -39,7 +39,6 @@ from ..numerics import as_f32, bf16_to_f32_array, f32_to_bf16_array
 from .draft import DFlashDraft
 from .layers import rnd_if
 from .selector import CandidateSelector, RefusedSelector
-from .target import KVCache
 
 CONVS = ("attention_conv", "mlp_conv")
 
@@ -88,9 +87,15 @@ class DFlash2Draft(DFlashDraft):
         e = super().embed_block(anchor_ids, n_rows)  # [R*Q, H]
         return rnd_if(e * np.float32(self.config.input_embedding_scale), self.bf16)
 
-    def _conv(self, x: np.ndarray, delta: np.ndarray, base: np.ndarray, n_rows: int) -> np.ndarray:
+    def _conv(self, x: np.ndarray, delta: np.ndarray, base: np.ndarray, n_rows) -> np.ndarray:
         """ops.grouped_conv on x [N, H], delta [N, taps, G], base [taps, H] (§4.2), in the run
-        mode's dtype: f32 arrays, or bf16 bits (x and delta are already bf16 values there)."""
+        mode's dtype: f32 arrays, or bf16 bits (x and delta are already bf16 values there).
+        n_rows: the block length Q of every block, or a list of Q_r (blocks of a batch, laid end
+        to end: each is convolved on its own)."""
+        if not isinstance(n_rows, (int, np.integer)):
+            bounds = np.cumsum([0] + list(n_rows))
+            return np.concatenate([self._conv(x[a:b], delta[a:b], base, int(b - a))
+                                   for a, b in zip(bounds[:-1], bounds[1:])])
         if not self.bf16:
             return self.ops.grouped_conv(x, delta, base, self.group_size, n_rows)
         out = self.ops.grouped_conv(f32_to_bf16_array(x), f32_to_bf16_array(delta), base,
@@ -100,7 +105,7 @@ class DFlash2Draft(DFlashDraft):
     def conv_prepare(self, layer: dict, name: str, x: np.ndarray, n_rows: int):
         """-> (conv(x, delta[:, 0], base[0]), delta[:, 1]) with delta = kernel_projection(x)."""
         conv, N = layer[name], x.shape[0]
-        delta = rnd_if(self.ops.linear(x, conv["proj"]), self.bf16)  # [N, 2*taps*G]
+        delta = rnd_if(self._row_linear(x, conv["proj"]), self.bf16)  # [N, 2*taps*G]
         delta = delta.reshape(N, 2, self.taps, self.groups)  # [N, side, tap, group]
         return self._conv(x, delta[:, 0], conv["base"][0], n_rows), delta[:, 1]
 
@@ -124,15 +129,13 @@ class DFlash2Draft(DFlashDraft):
                                 self.taps, self.group_size, n_rows)
 
     # ------------------------------------------------------------------ proposing
-    def propose(self, state: KVCache, anchor_id: int, anchor_pos: int, n_rows: int,
-                sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
-        """Block forward (conv included), then the selector walk over the mask rows (§4.4).
-        A refused selector raises SelectorRefusedError here, after the forward."""
-        self._check_propose(n_rows)
-        h = self.block_forward([state], [anchor_id], [anchor_pos], n_rows)[1:]  # [Q-1, H] mask rows
+    def proposal_from(self, h: np.ndarray, z: np.ndarray, anchor_id: int, anchor_pos: int,
+                      sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
+        """The selector walk (§4.4) over the mask rows h [Q-1, H] with their raw lm_head logits
+        z [Q-1, V] (the selector masks padding itself). A refused selector raises
+        SelectorRefusedError here, after the forward."""
         if isinstance(self.selector, RefusedSelector):
             self.selector.select()  # raises SelectorRefusedError, naming the boundary
-        z = self.target.lm_head(h)  # [Q-1, V]; the selector masks padding itself
-        positions = np.arange(anchor_pos + 1, anchor_pos + n_rows)  # [Q-1] position each row predicts
+        positions = np.arange(anchor_pos + 1, anchor_pos + 1 + h.shape[0])  # [Q-1] position each row predicts
         draft_ids, q, info = self.selector.select(h, z, int(anchor_id), positions, sampling, rng)
         return Proposal(np.asarray(draft_ids, np.int64), q, info)

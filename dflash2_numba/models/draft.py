@@ -36,7 +36,7 @@ from ..decode.sampling import SamplingParams, mask_padded, sample_token, target_
 from ..errors import GenerationArgumentError
 from ..kernels import fused
 from ..numerics import as_f32
-from .layers import RopeTables, mlp, rnd_if
+from .layers import RopeTables, in_row_chunks, mlp, rnd_if
 from .selector import _top_k_rows
 from .target import KVCache
 
@@ -129,13 +129,15 @@ class DFlashDraft:
         state.length = start_pos + n
 
     # ------------------------------------------------------------------ block forward
-    def embed_block(self, anchor_ids, n_rows: int) -> np.ndarray:
-        """[anchor, mask*(Q-1)] per request through the TARGET embedding -> [R*Q, H] f32."""
+    def embed_block(self, anchor_ids, n_rows) -> np.ndarray:
+        """[anchor, mask*(Q_r-1)] per request through the TARGET embedding -> [sum Q_r, H] f32.
+        n_rows: Q (every request) or a list of Q_r (one per request)."""
         anchors = self.target.embed(np.asarray(anchor_ids, np.int64))  # [R, H] (checks the ids)
-        h = np.empty((anchors.shape[0], n_rows, anchors.shape[1]), np.float32)  # [R, Q, H]
-        h[:, 0] = anchors
-        h[:, 1:] = self.mask_embedding  # [H], the same row every step: looked up once
-        return h.reshape(-1, anchors.shape[1])  # [R*Q, H]
+        rows = block_rows(n_rows, anchors.shape[0])  # [R]
+        h = np.empty((sum(rows), anchors.shape[1]), np.float32)  # [sum Q_r, H]
+        h[:] = self.mask_embedding  # [H], the same row every step: looked up once
+        h[np.cumsum([0] + rows[:-1])] = anchors  # each block's first row
+        return h
 
     # conv call sites of DFlash2 (spec §4.1); DFlash v1 has no conv: identity
     def conv_prepare(self, layer: dict, name: str, x: np.ndarray, n_rows: int):
@@ -144,55 +146,68 @@ class DFlashDraft:
     def conv_finish(self, layer: dict, name: str, y: np.ndarray, coef, n_rows: int) -> np.ndarray:
         return y
 
-    def block_forward(self, states, anchor_ids, anchor_positions, n_rows: int) -> np.ndarray:
-        """R requests, one block of n_rows = Q rows each -> final-normed states [R*Q, H].
-        Request r's rows r*Q..r*Q+Q-1 sit at positions anchor_positions[r]..+Q-1 and attend to
-        its context (states[r], holding exactly 0..anchor_positions[r]-1) ++ its own block."""
-        c, bf16, ops, linear, Q = self.config, self.bf16, self.ops, self.ops.linear, int(n_rows)
-        if not 1 <= Q <= self.block_size:
-            raise GenerationArgumentError(f"draft block of {Q} rows; expected 1..{self.block_size} (block_size)")
-        for st, p in zip(states, anchor_positions):
+    def block_forward(self, states, anchor_ids, anchor_positions, n_rows) -> np.ndarray:
+        """R requests, one block each -> final-normed states [sum Q_r, H]. n_rows: Q for every
+        request, or a list of Q_r. Request r's rows (laid end to end) sit at positions
+        anchor_positions[r]..+Q_r-1 and attend to its context (states[r], holding exactly
+        0..anchor_positions[r]-1) ++ its own block. Several requests run op by op with every
+        product over the stacked rows in chunks of <= 32 rows (layers.in_row_chunks), so each
+        request's rows get the bits of its own one-request forward."""
+        c, bf16, ops = self.config, self.bf16, self.ops
+        R = len(states)
+        rows = block_rows(n_rows, R)  # [R]
+        for Q in rows:
+            if not 1 <= Q <= self.block_size:
+                raise GenerationArgumentError(f"draft block of {Q} rows; expected 1..{self.block_size} (block_size)")
+        for st, p, Q in zip(states, anchor_positions, rows):
             if st.length != p:
                 raise GenerationArgumentError(
                     f"draft block at position {p}, but the draft context holds 0..{st.length - 1}")
             st.reserve(Q)  # scratch room for the block K/V past the context (length unchanged)
-        R, nh, nkv, hd, eps = len(states), c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        pos = (np.asarray(anchor_positions, np.int64)[:, None] + np.arange(Q)).reshape(-1)  # [R*Q]
-        cos, sin = self.rope.span(pos[0], Q) if R == 1 else self.rope(pos)  # [R*Q, hd]
+        nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        pos = np.concatenate([np.arange(p, p + Q) for p, Q in zip(anchor_positions, rows)]).astype(np.int64)
+        cos, sin = self.rope.span(pos[0], rows[0]) if R == 1 else self.rope(pos)  # [sum Q_r, hd]
+        N, bounds = pos.shape[0], np.cumsum([0] + rows)  # request r: rows bounds[r]..bounds[r+1]-1
 
-        h = self.embed_block(anchor_ids, Q)  # [R*Q, H]
+        h = self.embed_block(anchor_ids, rows)  # [N, H]
         if R == 1 and self._fusable():  # one numba call per layer (kernels/fused.py): same bits
-            st, p = states[0], int(anchor_positions[0])
+            st, p, Q = states[0], int(anchor_positions[0]), rows[0]
             shape, k_pos, pmm = self._fused_shape(Q), np.arange(p + Q), fused.parallel_min_macs()
             for i, L in enumerate(self.layers):
                 fused.decoder_layer(h, L["fused_weights"], L["fused_norms"], self._fused_conv(L), st.k[i], st.v[i],
                                     p, pos, k_pos, cos, sin, shape, L["causal"], L["window"],
                                     np.float32(eps), bf16, pmm)
             return ops.rms_norm(h, self.norm, eps, bf16)  # [Q, H]
+        linear = self._row_linear
+        conv_rows = rows[0] if R == 1 else rows
         for i, L in enumerate(self.layers):
-            a = ops.rms_norm(h, L["ln1"], eps, bf16)  # [R*Q, H]
-            a, k_att = self.conv_prepare(L, "attention_conv", a, Q)
-            q = rnd_if(linear(a, L["q"]), bf16).reshape(R * Q, nh, hd)  # [R*Q, nh, hd]
-            k = rnd_if(linear(a, L["k"]), bf16).reshape(R * Q, nkv, hd)  # [R*Q, nkv, hd]
-            v = rnd_if(linear(a, L["v"]), bf16).reshape(R * Q, nkv, hd)
+            a = ops.rms_norm(h, L["ln1"], eps, bf16)  # [N, H]
+            a, k_att = self.conv_prepare(L, "attention_conv", a, conv_rows)
+            q = rnd_if(linear(a, L["q"]), bf16).reshape(N, nh, hd)  # [N, nh, hd]
+            k = rnd_if(linear(a, L["k"]), bf16).reshape(N, nkv, hd)  # [N, nkv, hd]
+            v = rnd_if(linear(a, L["v"]), bf16).reshape(N, nkv, hd)
             q = ops.apply_rope(ops.rms_norm(q, L["q_norm"], eps, bf16), cos, sin, bf16)
             k = ops.apply_rope(ops.rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
-            o = np.empty((R * Q, nh, hd), np.float32)  # [R*Q, nh, hd]
+            o = np.empty((N, nh, hd), np.float32)  # [N, nh, hd]
             for r, st in enumerate(states):
-                rows, p = slice(r * Q, (r + 1) * Q), st.length
+                blk, p, Q = slice(bounds[r], bounds[r + 1]), st.length, rows[r]
                 # block K/V written just past the context, length NOT bumped: nothing persists
-                st.k[i, :, p:p + Q] = k[rows].transpose(1, 0, 2)  # [nkv, Q, hd]
-                st.v[i, :, p:p + Q] = v[rows].transpose(1, 0, 2)
-                o[rows] = self.ops.attention(q[rows], st.k[i], st.v[i], pos[rows], np.arange(p + Q),
-                                             L["causal"], L["window"], bf16)  # keys: rows 0..p+Q-1
-            o = rnd_if(linear(rnd_if(o, bf16).reshape(R * Q, nh * hd), L["o"]), bf16)  # [R*Q, H]
-            h = rnd_if(h + self.conv_finish(L, "attention_conv", o, k_att, Q), bf16)
+                st.k[i, :, p:p + Q] = k[blk].transpose(1, 0, 2)  # [nkv, Q, hd]
+                st.v[i, :, p:p + Q] = v[blk].transpose(1, 0, 2)
+                o[blk] = self.ops.attention(q[blk], st.k[i], st.v[i], pos[blk], np.arange(p + Q),
+                                            L["causal"], L["window"], bf16)  # keys: rows 0..p+Q-1
+            o = rnd_if(linear(rnd_if(o, bf16).reshape(N, nh * hd), L["o"]), bf16)  # [N, H]
+            h = rnd_if(h + self.conv_finish(L, "attention_conv", o, k_att, conv_rows), bf16)
 
-            m = ops.rms_norm(h, L["ln2"], eps, bf16)  # [R*Q, H]
-            m, k_mlp = self.conv_prepare(L, "mlp_conv", m, Q)
-            y = mlp(m, L["gate"], L["up"], L["down"], linear, bf16, ops.swiglu)  # [R*Q, H]
-            h = rnd_if(h + self.conv_finish(L, "mlp_conv", y, k_mlp, Q), bf16)
-        return ops.rms_norm(h, self.norm, eps, bf16)  # [R*Q, H]
+            m = ops.rms_norm(h, L["ln2"], eps, bf16)  # [N, H]
+            m, k_mlp = self.conv_prepare(L, "mlp_conv", m, conv_rows)
+            y = mlp(m, L["gate"], L["up"], L["down"], linear, bf16, ops.swiglu)  # [N, H]
+            h = rnd_if(h + self.conv_finish(L, "mlp_conv", y, k_mlp, conv_rows), bf16)
+        return ops.rms_norm(h, self.norm, eps, bf16)  # [N, H]
+
+    def _row_linear(self, x: np.ndarray, w) -> np.ndarray:
+        """ops.linear over chunks of <= 32 rows: each row's bits whatever is stacked with it."""
+        return in_row_chunks(lambda rows: self.ops.linear(rows, w), x)
 
     # ------------------------------------------------------------------ the fused engine
     fused = True  # False: op by op (the reference the fused engine is tested against)
@@ -235,18 +250,35 @@ class DFlashDraft:
 
     def propose(self, state: KVCache, anchor_id: int, anchor_pos: int, n_rows: int,
                 sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
-        """v1: per mask slot the argmax of the draft logits (ties -> lowest id) when greedy,
-        else a draw from q = target_probs(z, sampling) (the same temperature / top-k / top-p
-        as the verifier), and q is returned so that verification stays lossless."""
+        """Block forward, the target's lm_head on the mask rows, then `proposal_from`."""
         self._check_propose(n_rows)
-        h = self.block_forward([state], [anchor_id], [anchor_pos], n_rows)  # [Q, H]
-        z = mask_padded(self.target.lm_head(h[1:]), valid_vocab(self.target))  # [Q-1, V], padding -inf
+        h = self.block_forward([state], [anchor_id], [anchor_pos], n_rows)[1:]  # [Q-1, H] mask rows
+        return self.proposal_from(h, self.target.lm_head(h), anchor_id, anchor_pos, sampling, rng)
+
+    def proposal_from(self, h: np.ndarray, z: np.ndarray, anchor_id: int, anchor_pos: int,
+                      sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
+        """The drafts of one block from its mask rows' final-normed states h [Q-1, H] and their
+        raw lm_head logits z [Q-1, V] (the batched proposal computes those for many blocks at once).
+        v1: per mask slot the argmax of z (ties -> lowest id) when greedy, else a draw from
+        q = target_probs(z, sampling) (the same temperature / top-k / top-p as the verifier),
+        and q is returned so that verification stays lossless."""
+        z = mask_padded(z, valid_vocab(self.target))  # [Q-1, V], padding -inf
         if sampling.greedy:
             draft_ids, q = np.argmax(z, axis=-1).astype(np.int64), None  # first max = lowest id
         else:
             q = np.stack([target_probs(row, sampling) for row in z]).astype(np.float32)  # [Q-1, V]
             draft_ids = np.array([sample_token(row, rng) for row in q], np.int64)  # drawn from q itself
         return Proposal(draft_ids, q, LazyInfo(lambda: {"slots": top_candidates(z, N_SLOT_CANDIDATES)}))
+
+
+def block_rows(n_rows, n_requests: int) -> list[int]:
+    """Rows per request's block: one Q for all, or a list of Q_r (checked against R)."""
+    if isinstance(n_rows, (int, np.integer)):
+        return [int(n_rows)] * n_requests
+    rows = [int(q) for q in n_rows]
+    if len(rows) != n_requests:
+        raise GenerationArgumentError(f"draft blocks: {len(rows)} row counts for {n_requests} requests")
+    return rows
 
 
 def top_candidates(z: np.ndarray, n: int) -> list[dict]:

@@ -20,6 +20,7 @@ window only masks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -217,13 +218,21 @@ class TargetModel:
 
     def _layer(self, i, layer, h, cache, start, q_pos, k_pos, cos, sin):
         """One decoder layer on h [n, H] at positions q_pos; writes K/V i of the cache."""
-        c, bf16, ops, linear = self.config, self.bf16, self.ops, self.ops.linear
+        c, bf16 = self.config, self.bf16
         if self.fused and self._fused_layers is not None and fused.can_fuse(h.shape[0]):
             h = np.ascontiguousarray(h, dtype=np.float32)  # updated in place by the fused layer
             fused.decoder_layer(h, *self._fused_layers[i], cache.k[i], cache.v[i], start, q_pos, k_pos,
                                 cos, sin, self._fused_shape, True, self.layer_windows[i],
                                 np.float32(c.rms_norm_eps), bf16, fused.parallel_min_macs())
             return h
+        return self._layer_ops(i, layer, h, cos, sin, [Span(cache, start, q_pos, k_pos, slice(0, h.shape[0]))],
+                               self.ops.linear)
+
+    def _layer_ops(self, i, layer, h, cos, sin, spans, linear):
+        """One decoder layer op by op on h [n, H] (cos / sin [n, hd] of its rows): products over
+        all n rows with `linear`, attention per span (a request's rows against its own cache;
+        writes K/V i there). The solo forward passes one span; models/batched.py several."""
+        c, bf16, ops = self.config, self.bf16, self.ops
         n, nh, nkv, hd, eps = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
 
         a = ops.rms_norm(h, layer["ln1"], eps, bf16)  # [n, H]
@@ -236,17 +245,35 @@ class TargetModel:
         q = ops.apply_rope(q, cos, sin, bf16)
         k = ops.apply_rope(k, cos, sin, bf16)
 
-        end = start + n
-        cache.k[i, :, start:end] = k.transpose(1, 0, 2)  # [nkv, n, hd]
-        cache.v[i, :, start:end] = v.transpose(1, 0, 2)
-        # keys = rows 0..end-1 (= k_pos) of the layer's whole [nkv, max_len, hd] buffer
-        o = self.ops.attention(q, cache.k[i], cache.v[i], q_pos, k_pos, True, self.layer_windows[i],
-                               bf16)  # [n, nh, hd]
+        o = np.empty((n, nh, hd), np.float32) if len(spans) > 1 else None  # [n, nh, hd]
+        for sp in spans:
+            cache, start, rows = sp.cache, sp.start, sp.rows
+            end = start + (rows.stop - rows.start)
+            cache.k[i, :, start:end] = k[rows].transpose(1, 0, 2)  # [nkv, n_r, hd]
+            cache.v[i, :, start:end] = v[rows].transpose(1, 0, 2)
+            # keys = rows 0..end-1 (= k_pos) of the layer's whole [nkv, max_len, hd] buffer
+            o_r = self.ops.attention(q[rows], cache.k[i], cache.v[i], sp.q_pos, sp.k_pos, True,
+                                     self.layer_windows[i], bf16)  # [n_r, nh, hd]
+            if o is None:
+                o = o_r
+            else:
+                o[rows] = o_r
         o = rnd_if(o, bf16).reshape(n, nh * hd)  # [n, nh*hd]
         h = rnd_if(h + rnd_if(linear(o, layer["o"]), bf16), bf16)  # [n, H]
 
         m = ops.rms_norm(h, layer["ln2"], eps, bf16)  # [n, H]
         return rnd_if(h + mlp(m, layer["gate"], layer["up"], layer["down"], linear, bf16, ops.swiglu), bf16)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One request's rows of a forward: rows `rows` of h sit at positions q_pos [n_r]
+    (cache.length = start ..) and attend to keys k_pos [start + n_r] of its own cache."""
+    cache: object
+    start: int
+    q_pos: np.ndarray
+    k_pos: np.ndarray
+    rows: slice
 
 
 def forward_ids(ids, tap_layers: Sequence[int], num_layers: int, who: str) -> np.ndarray:

@@ -1,0 +1,226 @@
+"""One request's speculative decode state and its per-step logic (spec §5), shared by
+`stream_generate` (one request at a time, decode/loop.py) and the server's engine (many
+requests whose draft and verify forwards are batched: serve/engine.py, models/batched.py).
+
+    dec = Decoding(target, draft, prompt_ids, max_new, Q, sampling, stop_ids)
+    first = None
+    while first is None:
+        first = dec.prefill_step()          # one chunk of <= PREFILL_CHUNK prompt tokens
+    while not dec.finished:
+        call = dec.begin_step()             # Bv; extends the draft context -> DraftCall | None
+        prop = draft.propose(*call.args) if call else None        # (batched in the engine)
+        block = dec.verify_ids(prop)        # [Bv] anchor + drafts
+        logits, taps = target.forward(block, dec.cache, dec.tap_layers)   # (batched too)
+        step = dec.accept(logits, taps)     # StepResult
+
+Everything a request owns lives here (caches, draft context, committed ids, its own RNG, stop
+set, detokeniser, statistics), so nothing leaks from one request into the next and a request
+draws its random numbers in the same order whatever else runs.
+
+Prefill runs in chunks of PREFILL_CHUNK tokens, solo and in the server alike: a long prompt
+does not stall the other requests of a server, and both paths compute the same bits (each
+chunk is one `target.forward` of that request alone; a prompt up to PREFILL_CHUNK tokens is
+the single forward it always was).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numba
+import numpy as np
+
+from ..errors import NonFiniteLogitsError
+from .drafter import valid_vocab
+from .sampling import SamplingParams, greedy_token, mask_padded, sample_token, target_probs, verify_block
+from .stats import DecodeStats
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int]  # tokens committed this step (after stop truncation)
+    text: str  # UTF-8-safe text delta (may be "" while a character is incomplete)
+    accepted: int  # drafts accepted this step (0 for the prefill token and autoregressive steps)
+    finish_reason: str | None  # None while running, then "stop" | "length"
+    stats: DecodeStats = field(repr=False, default=None)  # live statistics of this request
+
+
+@dataclass
+class DraftCall:
+    """The arguments of one `draft.propose` (decode/drafter.py) for this request's step."""
+    state: object
+    anchor_id: int
+    anchor_pos: int
+    n_rows: int
+    sampling: SamplingParams
+    rng: np.random.Generator
+
+    @property
+    def args(self) -> tuple:
+        return self.state, self.anchor_id, self.anchor_pos, self.n_rows, self.sampling, self.rng
+
+
+def check_finite(logits: np.ndarray, what: str, first_position: int) -> None:
+    """A NaN / Inf logits row (NaN / Inf weights, a zero norm without eps, an overflow) would be
+    masked to -inf and decode as token 0: refuse it at the step where it appears."""
+    finite = np.isfinite(logits).all(axis=-1)  # [rows]
+    if not finite.all():
+        i = int(np.argmin(finite))
+        row = logits[i]
+        raise NonFiniteLogitsError(
+            f"{what}: logits row {i} (position {first_position + i}) holds {int(np.isnan(row).sum())} NaN and "
+            f"{int(np.isinf(row).sum())} Inf of {row.shape[-1]} values: the model computed garbage "
+            "(NaN / Inf weights or an overflow); nothing is emitted from it")
+
+
+def pick_token(row: np.ndarray, sampling: SamplingParams, rng) -> int:
+    """Next token from one masked logits row [V] (the prefill token / a plain AR step)."""
+    if sampling.greedy:
+        return greedy_token(row)
+    return sample_token(target_probs(row, sampling), rng)
+
+
+def tokenizer_of(target):
+    tok = getattr(target, "tokenizer", None)
+    if tok is None and getattr(target, "model_dir", None) is not None:
+        from ..tokenizer import Tokenizer  # lazy: targets built without a directory have none
+        tok = Tokenizer.from_dir(target.model_dir)
+        target.tokenizer = tok
+    return tok
+
+
+class Decoding:
+    """The decode state of one request. `text=False` skips detokenising (the server decodes
+    token by token itself, to find where a stop string ends)."""
+
+    def __init__(self, target, draft, prompt_ids: list[int], max_new: int, Q: int,
+                 sampling: SamplingParams, stop_token_ids, text: bool = True):
+        tok = tokenizer_of(target)
+        if tok is not None:
+            self.stops = set(tok.stop_ids(stop_token_ids))
+        else:
+            eos = getattr(getattr(target, "config", None), "eos_token_id", []) or []
+            self.stops = {int(i) for i in stop_token_ids} | set(eos)
+        self.target, self.draft, self.Q, self.sampling = target, draft, int(Q), sampling
+        self.vv = valid_vocab(target)
+        self.decoder = tok.stream_decoder() if tok is not None and text else None
+        self.rng = sampling.rng()
+        self.n = len(prompt_ids)
+        self.max_new = int(max_new)
+        self.max_len = self.n + self.max_new
+        self.tap_layers = tuple(draft.target_layer_ids) if draft is not None else ()
+        self.stats = DecodeStats(block_size=self.Q, prompt_tokens=self.n, threads=numba.get_num_threads())
+        self.ids = list(prompt_ids)  # prompt + committed tokens
+        self.finish_reason: str | None = None
+        self.cache = None  # target cache, made at the first prefill chunk
+        self.prefilled = 0  # prompt tokens in the target cache
+        self.dstate = None  # draft context state
+        self.ctx_taps, self.ctx_start = None, 0  # committed tokens not yet in the draft context
+        self.start = self.n  # anchor position
+        self.Bv = 0  # rows verified by the step in progress
+        self._drafts, self._q, self._t0 = np.zeros(0, np.int64), None, 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefill_left(self) -> int:
+        return self.n - self.prefilled
+
+    # ---------------------------------------------------------------- prefill
+    def prefill_step(self, max_tokens: int = PREFILL_CHUNK) -> StepResult | None:
+        """Run the next chunk of the prompt; the StepResult of the first token once the whole
+        prompt is in the cache, else None."""
+        t0 = time.perf_counter()
+        if self.cache is None:
+            self.cache = self.target.new_cache(self.max_len)
+        a = self.prefilled
+        b = min(self.n, a + min(int(max_tokens), PREFILL_CHUNK))
+        logits, taps = self.target.forward(np.asarray(self.ids[a:b], np.int64), self.cache,
+                                           tap_layers=self.tap_layers, last_only=True)  # [1, V]
+        if taps is not None:
+            self.ctx_taps = taps if self.ctx_taps is None else np.concatenate([self.ctx_taps, taps])
+        self.prefilled = b
+        if b < self.n:
+            self.stats.prefill_s += time.perf_counter() - t0
+            return None
+        check_finite(logits, "prefill", self.n - 1)
+        first = pick_token(mask_padded(logits[-1], self.vv), self.sampling, self.rng)
+        self.stats.prefill_s += time.perf_counter() - t0
+        step = self._commit([first], 0)
+        if not step.finish_reason and self.draft is not None:
+            self.dstate = self.draft.new_state(self.max_len)
+        return step
+
+    # ---------------------------------------------------------------- one verify step
+    def begin_step(self) -> DraftCall | None:
+        """Start a step: Bv = rows to verify; when a draft runs (Bv >= 2), extend its context
+        and return the proposal to make (the draft always runs the runtime Q rows: its block
+        is non-causal, so its length changes every row; the budget only trims the verify)."""
+        assert self.cache.length == self.start and len(self.ids) == self.start + 1, (
+            self.cache.length, self.start, len(self.ids))
+        self.Bv = min(self.Q, self.max_len - 1 - self.start)  # remaining budget
+        self._drafts, self._q = np.zeros(0, np.int64), None
+        self._t0 = time.perf_counter()
+        if self.Bv < 2:
+            return None
+        self.draft.extend_context(self.dstate, self.ctx_taps, self.ctx_start,
+                                  np.asarray(self.ids[self.ctx_start:self.start], np.int64))
+        self.ctx_taps, self.ctx_start = None, self.start
+        return DraftCall(self.dstate, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
+
+    def verify_ids(self, prop) -> np.ndarray:
+        """The verify block [Bv]: anchor + the proposal's drafts trimmed to the budget."""
+        Q, Bv = self.Q, self.Bv
+        if prop is not None:
+            drafts, q = np.asarray(prop.draft_ids, np.int64), prop.q  # [Q-1], [Q-1, V] | None
+            if drafts.shape != (Q - 1,):
+                raise RuntimeError(f"{type(self.draft).__name__}.propose returned {drafts.shape[0]} drafts "
+                                   f"for a {Q}-row block (expected {Q - 1})")
+            self._drafts = drafts[:Bv - 1]  # [Bv-1]
+            self._q = None if q is None else q[:Bv - 1]  # [Bv-1, V]
+            if self._q is not None:
+                check_finite(self._q, f"step {self.stats.steps + 1}: draft proposal distribution", self.start + 1)
+        self._t1 = time.perf_counter()
+        return np.concatenate([[self.ids[self.start]], self._drafts]).astype(np.int64)  # [Bv]
+
+    def accept(self, logits: np.ndarray, taps: np.ndarray | None) -> StepResult:
+        """Verify logits [Bv, V] (and taps [Bv, T*H]) of the block -> the committed tokens."""
+        start = self.start
+        check_finite(logits, f"step {self.stats.steps + 1}: verify", start)
+        a, x = verify_block(mask_padded(logits, self.vv), self._drafts, self._q, self.sampling, self.rng)
+        self.cache.commit(start + a + 1)  # keep the anchor and the a accepted drafts (any layer kind)
+        if self.draft is not None and taps is not None:
+            acc = taps[:a + 1]  # [a+1, T*H], positions start..start+a
+            self.ctx_taps = acc if self.ctx_taps is None else np.concatenate([self.ctx_taps, acc])
+        t2 = time.perf_counter()
+        self.stats.draft_s += self._t1 - self._t0
+        self.stats.verify_s += t2 - self._t1
+        self.stats.record_step(self.Bv, a)
+        step = self._commit([int(d) for d in self._drafts[:a]] + [x], a)
+        self.stats.decode_s += time.perf_counter() - self._t0
+        self.start += a + 1
+        return step
+
+    # ---------------------------------------------------------------- committing
+    def _commit(self, new: list[int], accepted: int) -> StepResult:
+        """Append new tokens, truncating inclusively at the first stop id / the budget."""
+        reason = None
+        for j, t in enumerate(new):
+            if t in self.stops:
+                new, reason = new[:j + 1], "stop"
+                break
+        assert len(self.ids) - self.n + len(new) <= self.max_new, "the loop emitted past max_new_tokens"
+        self.ids.extend(new)
+        if reason is None and len(self.ids) - self.n == self.max_new:
+            reason = "length"
+        self.stats.new_tokens = len(self.ids) - self.n
+        text = ""
+        if self.decoder is not None:
+            text = self.decoder.feed(new) + (self.decoder.flush() if reason else "")
+        self.finish_reason = reason
+        return StepResult(list(new), text, accepted, reason, self.stats)
