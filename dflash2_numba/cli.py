@@ -30,6 +30,7 @@ from . import __version__
 from .cli_checks import check_output_path, one_line, parse_prompt_ids, read_prompt_file
 from .decode.sampling import SamplingParams
 from .errors import DFlashError, GenerationArgumentError, OutputPathError
+from .serve.command import make_serve_command
 
 
 class _Group(click.Group):
@@ -254,6 +255,9 @@ def inspect(model_dir, json_dest, no_hash):
         if json_dest == "-":
             return
     click.echo(format_inspect(report))
+
+
+main.add_command(make_serve_command(_model_options, _load))  # serve/command.py
 
 
 if __name__ == "__main__":

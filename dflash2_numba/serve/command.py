@@ -1,0 +1,59 @@
+"""The `serve` click command. cli.py registers it with its own model options and loader:
+
+    main.add_command(make_serve_command(_model_options, _load))
+
+(passed in, not imported, so the options stay defined once and cli.py imports nothing of the
+server until `serve` runs: Starlette and uvicorn are an optional extra)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import DFlashError
+
+
+class ServeExtraMissingError(DFlashError):
+    """`serve` without the optional extra (starlette, uvicorn)."""
+
+
+DEFAULT_MODEL_ID = "dflash2-default"  # /v1/models id of the embedded default pair
+
+
+def make_serve_command(model_options, load):
+    @click.command()
+    @model_options
+    @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+    @click.option("--port", type=int, default=8000, show_default=True, help="Port (0: a free one).")
+    @click.option("--block-size", type=int, default=None,
+                  help="Default runtime Q per request (2..B; a request's block_size overrides it).")
+    @click.option("--max-running", type=int, default=4, show_default=True,
+                  help="Requests decoded together (batched) at most.")
+    @click.option("--max-waiting", type=int, default=16, show_default=True,
+                  help="Requests queued beyond those; more get 429.")
+    @click.option("--shutdown-grace", type=float, default=30.0, show_default=True,
+                  help="Seconds SIGTERM lets running requests finish before ending them.")
+    def serve(target_dir, draft_dir, device, threads, dtype, host, port, block_size, max_running, max_waiting,
+              shutdown_grace):
+        """OpenAI-compatible HTTP server (chat / completions, streamed or not) that batches requests."""
+        try:
+            from .engine import Engine
+            from .server import Server
+        except ImportError as e:
+            raise ServeExtraMissingError(f"serve needs the optional extra: pip install 'dflash2-numba[serve]' "
+                                         f"({e})") from None
+        model_id = DEFAULT_MODEL_ID if target_dir is None else Path(target_dir).resolve().name
+        engine = Engine(lambda: load(target_dir, draft_dir, device, dtype, threads)[2:],
+                        max_running=max_running, max_waiting=max_waiting, block_size=block_size)
+        server = Server(engine, model_id, host=host, port=port, grace_s=shutdown_grace)
+        click.echo(f"dflash2-decode serve: {model_id} on {server.url} (loading; GET /health turns 200 when ready)",
+                   err=True)
+        server.run()
+        if engine.load_error is not None:
+            if isinstance(engine.load_error, DFlashError):
+                raise engine.load_error
+            sys.exit(1)
+
+    return serve

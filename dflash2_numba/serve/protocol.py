@@ -1,0 +1,216 @@
+"""The OpenAI request fields the server reads, checked into a typed `GenRequest`, and the typed
+errors that become OpenAI error bodies `{"error": {"message", "type", "param", "code"}}`.
+
+    req = parse_request(body, kind="chat" | "completion", model_ids={...}, tokenizer=tok)
+    raise BadRequest("...", param="top_p", code="invalid_value")    # -> 400 JSON body
+
+Read: model, messages (chat) / prompt (completions: a string or a list of token ids),
+max_completion_tokens > max_tokens, temperature (default 1, as OpenAI), top_p, top_k, seed,
+stop (a string or up to 4), stream, stream_options.include_usage, chat_template_kwargs
+(chat), the `block_size` extension (runtime Q of this request). n = 1, logprobs false and
+zero penalties are accepted as the no-ops they are; any other field is a named 400
+(`unsupported_parameter`), never silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import (ChatTemplateError, ChatTemplateMissingError, ContextLengthError, DFlashError,
+                      GenerationArgumentError)
+from ..decode.sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256  # when a request names no max_tokens (capped by the context left)
+MAX_STOP_STRINGS = 4
+
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                 "stream_options", "block_size", "n", "logprobs", "presence_penalty", "frequency_penalty",
+                 "user"}
+FIELDS = {"chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"},
+          "completion": COMMON_FIELDS | {"prompt"}}
+
+
+# ---------------------------------------------------------------- typed errors -> HTTP
+class RequestError(DFlashError):
+    """A refusal sent to the client as an OpenAI error body with `status`."""
+    status, type = 400, "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(RequestError):
+    status = 400
+
+
+class ModelNotFound(RequestError):
+    status = 404
+
+
+class QueueFull(RequestError):
+    status, type = 429, "rate_limit_error"
+    retry_after_s = 1
+
+
+class Unavailable(RequestError):
+    status, type = 503, "unavailable_error"
+
+
+def as_request_error(e: DFlashError) -> RequestError:
+    """A refusal of the decoding core (bad sampling values, context, chat template) as a 400."""
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, ContextLengthError):
+        return BadRequest(str(e), param="max_tokens", code="context_length_exceeded")
+    if isinstance(e, (ChatTemplateError, ChatTemplateMissingError)):
+        return BadRequest(str(e), param="messages", code="chat_template_error")
+    if isinstance(e, GenerationArgumentError):
+        return BadRequest(str(e), code="invalid_value")
+    return BadRequest(f"{type(e).__name__}: {e}", code="refused")
+
+
+# ---------------------------------------------------------------- the request
+@dataclass
+class GenRequest:
+    kind: str  # "chat" | "completion"
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    block_size: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _typed(body: dict, name: str, types, what: str, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise BadRequest(f"'{name}' must be {what}, got {value!r}", param=name, code="invalid_type")
+    if not isinstance(value, types):
+        raise BadRequest(f"'{name}' must be {what}, got {type(value).__name__} {value!r}", param=name,
+                         code="invalid_type")
+    return value
+
+
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    for name in body:
+        if name not in FIELDS[kind]:
+            raise BadRequest(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+    if _typed(body, "n", int, "an integer", 1) != 1:
+        raise BadRequest("'n' > 1 is not supported (one choice per request)", param="n", code="unsupported_parameter")
+    if body.get("logprobs") not in (None, False):
+        raise BadRequest("'logprobs' is not supported", param="logprobs", code="unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _typed(body, name, (int, float), "a number", 0) != 0:
+            raise BadRequest(f"'{name}' other than 0 is not supported (it would change the target "
+                             "distribution the verifier samples)", param=name, code="unsupported_parameter")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty list", param="messages", code="invalid_type")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise BadRequest(f"messages[{i}].content: only text parts are supported", param="messages",
+                                     code="unsupported_parameter")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise BadRequest(f"messages[{i}]: {sorted(extra)[0]!r} is not supported", param="messages",
+                             code="unsupported_parameter")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompt_ids(body: dict, kind: str, tokenizer, vocab: int) -> list[int]:
+    if kind == "chat":
+        messages = _messages(body)
+        kwargs = _typed(body, "chat_template_kwargs", dict, "an object", {})
+        kwargs = dict(kwargs)
+        thinking = kwargs.pop("enable_thinking", False)
+        text = tokenizer.apply_chat_template(messages, enable_thinking=bool(thinking), **kwargs)
+        ids = tokenizer.encode(text, add_special_tokens=False)  # the template holds the specials
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, list):
+            raise BadRequest("'prompt' must be a string or ONE list of token ids (several prompts per request "
+                             "are not supported)", param="prompt", code="unsupported_parameter")
+        else:
+            raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
+    if not ids:
+        raise BadRequest("the prompt is empty (0 tokens)", param="prompt" if kind == "completion" else "messages")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", param="prompt")
+    return ids
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty "
+                         "strings", param="stop", code="invalid_value")
+    return stop
+
+
+def parse_request(body, kind: str, model_ids, tokenizer, vocab: int) -> GenRequest:
+    """A decoded JSON body -> GenRequest, or a RequestError naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object", code="invalid_json")
+    _refuse_unsupported(body, kind)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise BadRequest("'model' is required (a string; see GET /v1/models)", param="model", code="invalid_type")
+    if model not in model_ids:
+        raise ModelNotFound(f"the model {model!r} does not exist; this server has {sorted(model_ids)}",
+                            param="model", code="model_not_found")
+    stream = _typed(body, "stream", bool, "a boolean", False)
+    options = _typed(body, "stream_options", dict, "an object", None)
+    if options is not None and not stream:
+        raise BadRequest("'stream_options' is only allowed with stream: true", param="stream_options")
+    if options is not None and set(options) - {"include_usage"}:
+        raise BadRequest(f"stream_options.{sorted(set(options) - {'include_usage'})[0]} is not supported",
+                         param="stream_options", code="unsupported_parameter")
+    include_usage = bool(_typed(options or {}, "include_usage", bool, "a boolean", False))
+    max_tokens = _typed(body, "max_completion_tokens", int, "an integer", None) if kind == "chat" else None
+    if max_tokens is None:
+        max_tokens = _typed(body, "max_tokens", int, "an integer", None)
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens", code="invalid_value")
+    try:
+        sampling = SamplingParams(float(_typed(body, "temperature", (int, float), "a number", 1.0)),
+                                  _typed(body, "top_k", int, "an integer", 0),
+                                  float(_typed(body, "top_p", (int, float), "a number", 1.0)),
+                                  _typed(body, "seed", int, "an integer", None))
+        ids = _prompt_ids(body, kind, tokenizer, vocab)
+    except DFlashError as e:
+        raise as_request_error(e) from None
+    return GenRequest(kind, model, ids, max_tokens, sampling,
+                      block_size=_typed(body, "block_size", int, "an integer", None),
+                      stop=_stop(body), stream=stream, include_usage=include_usage)
