@@ -23,18 +23,24 @@ def _kernel_modules():
 
 
 def _cached_dispatchers(modules):
-    """Every `@njit(cache=True)` dispatcher defined in `modules`."""
-    return [obj for module in modules for obj in vars(module).values()
-            if getattr(getattr(obj, "_cache", None), "_cache_path", None)]
+    """Every `@njit(cache=True)` dispatcher defined in `modules`, with the compile-time variants
+    a module makes on demand (its `kernel_variants()`: kernels/fused.py)."""
+    found = []
+    for module in modules:
+        objs = list(vars(module).values())
+        if callable(getattr(module, "kernel_variants", None)):
+            objs += module.kernel_variants()
+        found += [obj for obj in objs if getattr(getattr(obj, "_cache", None), "_cache_path", None)]
+    return found
 
 
 def kernel_cache_is_cold() -> bool:
     """True on this package's first run here: the fused layer, which every CPU decode of a bf16
     model calls (and the largest compile), has no index file in numba's cache yet (the run will
-    start with ~20-40 s of compiling)."""
-    from .fused import decoder_layer
+    start with seconds of compiling: docs/cold_start.md)."""
+    from .fused import kernel_variants
 
-    return not Path(decoder_layer._cache._cache_file._index_path).exists()
+    return not Path(kernel_variants()[0]._cache._cache_file._index_path).exists()
 
 
 def kernels_compiled() -> int:

@@ -138,7 +138,8 @@ def _grouped_conv_f32(x, delta, base, out, group_size, block_len, and_arm):
             else:
                 for c in range(hidden):
                     acc[c] = conv_tap_f32(acc[c], base_t[c], d_row[c], x_prev[c])
-        out[n] = acc
+        for c in range(hidden):  # a loop, not out[n] = acc: numba's array assignment drags in
+            out[n, c] = acc[c]  # its error-message string formatting (~2 s of a cold compile)
 
 
 @njit(cache=True, nogil=True)

@@ -23,14 +23,25 @@ Threads: each product (GEMV, attention) is split over numba's threads inside thi
 is at least `par_min_macs` multiply-adds (the measured threshold of kernels/linear.py, or
 "never" with one thread); everything else runs on the calling thread.
 
+Compile time (docs/cold_start.md): the run mode (f32 / bf16) and "may any product go parallel"
+are compile-time constants of the kernel, not arguments: `decoder_layer` / `context_update`
+pick one of up to four variants (`_layer_kernel(bf16, parallel)`), each a closure over two
+bools that numba's dead-branch pruning folds before typing. So a one-thread f32 run never
+types, let alone compiles, the bf16 rounding loops, the bf16 conv or the parallel (parfor)
+drivers of the GEMV and attention, which were more than half of a cold start. The variants run
+the same code on the same kernels as before: the same bits.
+
 Rows: 1..GEMV_MAX_ROWS (decode, verify, draft block). A longer prefill takes the op-by-op path,
 whose GEMV hands big products to BLAS. Weights: bf16 packed into panels (kernels/panels.py);
 a float32 checkpoint runs op by op. A new layer kind (the hybrid targets' Gated DeltaNet)
 slots in as another fused layer function beside this one.
 """
 
+import functools
+
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
 
 from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
 from .attention import TRANSPOSE_MIN_ROWS, _attention_par, _attention_ser
@@ -53,6 +64,20 @@ def parallel_min_macs() -> int:
 
 
 # ------------------------------------------------------------------ pieces
+@intrinsic
+def _runtime_bool(typingctx, flag):
+    """flag as a plain bool. A variant's closure constant reaches a called kernel as
+    Literal[bool], which numba would compile as a SECOND specialisation beside the bool one the
+    op-by-op path uses; passed through this, the fused layer and the op-by-op path share one."""
+    if not isinstance(flag, (types.Boolean, types.BooleanLiteral)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return context.cast(builder, args[0], signature.args[0], types.boolean)
+
+    return types.boolean(flag), codegen
+
+
 @njit(inline="always")
 def _rnd(x, bf16):
     """x = rnd(x) in place in bf16 mode (x C-contiguous, any rank); nothing in f32 mode."""
@@ -63,11 +88,16 @@ def _rnd(x, bf16):
 
 
 @njit(inline="always")
-def _linear(x, panels, N, par_min_macs, bf16):
+def _linear(x, panels, N, par_min_macs, parallel, bf16):
     """rnd?(x @ w.T): x [M, K] f32, w [N, K] given as its panels [NP, K, 32] -> [M, N] f32,
-    with the kernel ops.linear runs on a packed weight (kernels/panels.py)."""
+    with the kernel ops.linear runs on a packed weight (kernels/panels.py). parallel: a
+    compile-time constant; False = the parallel driver is never typed (a literal False argument
+    prunes gemv_panels' branch to it)."""
     y = np.empty((x.shape[0], N), np.float32)  # [M, N]
-    gemv_panels(x, panels, y, x.shape[0] * N * x.shape[1] >= par_min_macs)
+    if parallel:
+        gemv_panels(x, panels, y, x.shape[0] * N * x.shape[1] >= par_min_macs)
+    else:
+        gemv_panels(x, panels, y, False)
     _rnd(y, bf16)
     return y
 
@@ -76,7 +106,7 @@ def _linear(x, panels, N, par_min_macs, bf16):
 def _rms(x, w, eps, bf16):
     """RMSNorm over the last axis of x [rows, D] -> new [rows, D]."""
     out = np.empty(x.shape, np.float32)
-    _rms_norm_rows(x, w, eps, bf16, out)
+    _rms_norm_rows(x, w, eps, _runtime_bool(bf16), out)
     return out
 
 
@@ -116,11 +146,11 @@ def _conv(x, delta, base, group_size, block_len, and_arm, bf16):
 
 
 @njit(inline="always")
-def _conv_prepare(x, proj, base, taps, group_size, block_len, and_arm, par_min_macs, bf16):
+def _conv_prepare(x, proj, base, taps, group_size, block_len, and_arm, par_min_macs, parallel, bf16):
     """-> (conv(x, delta[:, 0], base[0]), delta[:, 1]) with delta = rnd?(x proj^T) viewed
     [n, side, tap, group]: DFlash2Draft.conv_prepare. proj: panels of [2*taps*G, H]."""
     n = x.shape[0]
-    delta = _linear(x, proj, 2 * taps * (x.shape[1] // group_size), par_min_macs, bf16)  # [n, 2*taps*G]
+    delta = _linear(x, proj, 2 * taps * (x.shape[1] // group_size), par_min_macs, parallel, bf16)  # [n, 2*taps*G]
     delta = delta.reshape(n, 2, taps, delta.shape[1] // (2 * taps))  # [n, side, tap, group]
     # C-contiguous copies, as kernels/conv.grouped_conv makes: one kernel specialisation
     return (_conv(x, np.ascontiguousarray(delta[:, 0]), base[0], group_size, block_len, and_arm, bf16),
@@ -128,15 +158,16 @@ def _conv_prepare(x, proj, base, taps, group_size, block_len, and_arm, par_min_m
 
 
 @njit(inline="always")
-def _attention(q, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, bf16):
-    """kernels/attention.attention on q [n, nh, hd] over rows 0..T-1 of kbuf / vbuf."""
+def _attention(q, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, parallel, bf16):
+    """kernels/attention.attention on q [n, nh, hd] over rows 0..T-1 of kbuf / vbuf
+    (parallel: compile-time constant, as in `_linear`)."""
     out = np.empty(q.shape, np.float32)
     T = k_pos.shape[0]
     transposed = q.shape[0] * q.shape[1] // kbuf.shape[0] >= TRANSPOSE_MIN_ROWS
-    if q.size * T >= par_min_macs:
-        _attention_par(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, bf16, out, transposed)
+    if parallel and q.size * T >= par_min_macs:
+        _attention_par(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), out, transposed)
     else:
-        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, bf16, out, transposed)
+        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), out, transposed)
     return out
 
 
@@ -152,7 +183,101 @@ def _write_kv(kbuf, vbuf, start, k, v):
 
 
 # ------------------------------------------------------------------ the layer
-@njit(cache=True, nogil=True)
+def _make_decoder_layer(bf16: bool, parallel: bool):
+    """The decoder layer kernel for one run mode (bf16) and thread policy (parallel: may a
+    product go parallel); both are closure constants, folded before typing (module docstring)."""
+
+    @njit(cache=True, nogil=True)
+    def decoder_layer_kernel(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
+                             causal, window, eps, par_min_macs):
+        """One pre-norm decoder layer on h [n, H] (in place); arguments as `decoder_layer`."""
+        wqkv, wo, wgu, wd = weights
+        ln1, ln2, q_norm, k_norm = norms
+        att_proj, mlp_proj, att_base, mlp_base = conv
+        nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, u_at = shape
+        n, H = h.shape
+        inter = wd.shape[1]  # I: the down projection's input features
+        has_conv = att_proj.size > 0
+        if start + n > kbuf.shape[1] or start + n > vbuf.shape[1] or k_pos.shape[0] > kbuf.shape[1]:
+            raise ValueError("decoder_layer: the K/V buffer has no room for the block (reserve first)")
+
+        a = _rms(h, ln1, eps, bf16)  # [n, H]
+        if has_conv:
+            a, d_att = _conv_prepare(a, att_proj, att_base, taps, group_size, block_len, and_arm != 0,
+                                     par_min_macs, parallel, bf16)
+        qkv = _linear(a, wqkv, wqkv.shape[0] * PANEL_COLS, par_min_macs, parallel, bf16)  # [n, q | k | v padded]
+        q = np.ascontiguousarray(qkv[:, :nh * hd]).reshape(n * nh, hd)  # [n*nh, hd]
+        k = np.ascontiguousarray(qkv[:, k_at:k_at + nkv * hd]).reshape(n * nkv, hd)  # [n*nkv, hd]
+        v = np.ascontiguousarray(qkv[:, v_at:v_at + nkv * hd]).reshape(n, nkv, hd)  # [n, nkv, hd]
+        if q_norm.size > 0:  # per-head RMSNorm over hd, before RoPE
+            q = _rms(q, q_norm, eps, bf16)
+            k = _rms(k, k_norm, eps, bf16)
+        qr = np.empty((n, nh, hd), np.float32)  # [n, nh, hd]
+        kr = np.empty((n, nkv, hd), np.float32)  # [n, nkv, hd]
+        _rope_rows(q.reshape(n, nh, hd), cos, sin, _runtime_bool(bf16), qr)
+        _rope_rows(k.reshape(n, nkv, hd), cos, sin, _runtime_bool(bf16), kr)
+        _write_kv(kbuf, vbuf, start, kr, v)
+
+        o = _attention(qr, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, parallel, bf16)  # [n, nh, hd]
+        _rnd(o, bf16)
+        y = _linear(o.reshape(n, nh * hd), wo, H, par_min_macs, parallel, bf16)  # [n, H]
+        if has_conv:
+            y = _conv(y, d_att, att_base[1], group_size, block_len, and_arm != 0, bf16)
+        _add_residual(h, y, bf16)
+
+        m = _rms(h, ln2, eps, bf16)  # [n, H]
+        if has_conv:
+            m, d_mlp = _conv_prepare(m, mlp_proj, mlp_base, taps, group_size, block_len, and_arm != 0,
+                                     par_min_macs, parallel, bf16)
+        gu = _linear(m, wgu, wgu.shape[0] * PANEL_COLS, par_min_macs, parallel, bf16)  # [n, gate | up padded]
+        s = np.empty((n, inter), np.float32)  # [n, I]
+        _swiglu_rows(np.ascontiguousarray(gu[:, :inter]), np.ascontiguousarray(gu[:, u_at:u_at + inter]),
+                     _runtime_bool(bf16), s)
+        y = _linear(s, wd, H, par_min_macs, parallel, bf16)  # [n, H]
+        if has_conv:
+            y = _conv(y, d_mlp, mlp_base[1], group_size, block_len, and_arm != 0, bf16)
+        _add_residual(h, y, bf16)
+
+    return decoder_layer_kernel
+
+
+# ------------------------------------------------------------------ the draft's context update
+def _make_context_update(bf16: bool, parallel: bool):
+    """The draft's context update kernel for one run mode / thread policy (as `_make_decoder_layer`)."""
+
+    @njit(cache=True, nogil=True)
+    def context_update_kernel(x, fc, hidden_norm, wk, wv, k_norm, kcache, vcache, start, cos, sin, nkv, hd, eps,
+                              par_min_macs):
+        """The draft's context K/V; arguments as `context_update`."""
+        n = x.shape[0]
+        H = hidden_norm.shape[0]
+        if start + n > kcache.shape[2]:
+            raise ValueError("context_update: the context cache has no room for the tokens (reserve first)")
+        c = _rms(_linear(x, fc, H, par_min_macs, parallel, bf16), hidden_norm, eps, bf16)  # [n, H]
+        for l in range(len(wk)):
+            k = _rms(_linear(c, wk[l], nkv * hd, par_min_macs, parallel, bf16).reshape(n * nkv, hd), k_norm[l], eps, bf16)
+            kr = np.empty((n, nkv, hd), np.float32)  # [n, nkv, hd]
+            _rope_rows(k.reshape(n, nkv, hd), cos, sin, _runtime_bool(bf16), kr)
+            v = _linear(c, wv[l], nkv * hd, par_min_macs, parallel, bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+            _write_kv(kcache[l], vcache[l], start, kr, v)
+
+    return context_update_kernel
+
+
+# ------------------------------------------------------------------ Python side
+# numba's cache keys a closure's compiled code on its closure values as well, so the variants
+# share one cache index file (fused._make_decoder_layer.locals.decoder_layer_kernel-*.nbi) and
+# never collide; each compiles only when first called.
+_layer_kernel = functools.cache(_make_decoder_layer)
+_context_kernel = functools.cache(_make_context_update)
+
+
+def kernel_variants() -> list:
+    """Every variant's dispatcher (made, not compiled): for kernels/cache_check.py."""
+    return [make(bf16, par) for make in (_layer_kernel, _context_kernel)
+            for bf16 in (False, True) for par in (False, True)]
+
+
 def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
                   causal, window, eps, bf16, par_min_macs):
     """One pre-norm decoder layer on h [n, H] (in place); see the module docstring.
@@ -166,56 +291,11 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
     kbuf, vbuf [nkv, >= start+n, hd]: the layer's K/V buffer; rows start..start+n-1 are written
     shape   (nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, u_at) ints; *_at: the
             first column of k / v / up in its group's output
-    """
-    wqkv, wo, wgu, wd = weights
-    ln1, ln2, q_norm, k_norm = norms
-    att_proj, mlp_proj, att_base, mlp_base = conv
-    nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, u_at = shape
-    n, H = h.shape
-    inter = wd.shape[1]  # I: the down projection's input features
-    has_conv = att_proj.size > 0
-    if start + n > kbuf.shape[1] or start + n > vbuf.shape[1] or k_pos.shape[0] > kbuf.shape[1]:
-        raise ValueError("decoder_layer: the K/V buffer has no room for the block (reserve first)")
-
-    a = _rms(h, ln1, eps, bf16)  # [n, H]
-    if has_conv:
-        a, d_att = _conv_prepare(a, att_proj, att_base, taps, group_size, block_len, and_arm != 0,
-                                 par_min_macs, bf16)
-    qkv = _linear(a, wqkv, wqkv.shape[0] * PANEL_COLS, par_min_macs, bf16)  # [n, q | k | v padded]
-    q = np.ascontiguousarray(qkv[:, :nh * hd]).reshape(n * nh, hd)  # [n*nh, hd]
-    k = np.ascontiguousarray(qkv[:, k_at:k_at + nkv * hd]).reshape(n * nkv, hd)  # [n*nkv, hd]
-    v = np.ascontiguousarray(qkv[:, v_at:v_at + nkv * hd]).reshape(n, nkv, hd)  # [n, nkv, hd]
-    if q_norm.size > 0:  # per-head RMSNorm over hd, before RoPE
-        q = _rms(q, q_norm, eps, bf16)
-        k = _rms(k, k_norm, eps, bf16)
-    qr = np.empty((n, nh, hd), np.float32)  # [n, nh, hd]
-    kr = np.empty((n, nkv, hd), np.float32)  # [n, nkv, hd]
-    _rope_rows(q.reshape(n, nh, hd), cos, sin, bf16, qr)
-    _rope_rows(k.reshape(n, nkv, hd), cos, sin, bf16, kr)
-    _write_kv(kbuf, vbuf, start, kr, v)
-
-    o = _attention(qr, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, bf16)  # [n, nh, hd]
-    _rnd(o, bf16)
-    y = _linear(o.reshape(n, nh * hd), wo, H, par_min_macs, bf16)  # [n, H]
-    if has_conv:
-        y = _conv(y, d_att, att_base[1], group_size, block_len, and_arm != 0, bf16)
-    _add_residual(h, y, bf16)
-
-    m = _rms(h, ln2, eps, bf16)  # [n, H]
-    if has_conv:
-        m, d_mlp = _conv_prepare(m, mlp_proj, mlp_base, taps, group_size, block_len, and_arm != 0,
-                                 par_min_macs, bf16)
-    gu = _linear(m, wgu, wgu.shape[0] * PANEL_COLS, par_min_macs, bf16)  # [n, gate | up padded]
-    s = np.empty((n, inter), np.float32)  # [n, I]
-    _swiglu_rows(np.ascontiguousarray(gu[:, :inter]), np.ascontiguousarray(gu[:, u_at:u_at + inter]), bf16, s)
-    y = _linear(s, wd, H, par_min_macs, bf16)  # [n, H]
-    if has_conv:
-        y = _conv(y, d_mlp, mlp_base[1], group_size, block_len, and_arm != 0, bf16)
-    _add_residual(h, y, bf16)
+    bf16 and par_min_macs < NEVER pick the compiled variant (module docstring)."""
+    _layer_kernel(bool(bf16), par_min_macs < NEVER)(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos,
+                                                    cos, sin, shape, causal, window, eps, par_min_macs)
 
 
-# ------------------------------------------------------------------ the draft's context update
-@njit(cache=True, nogil=True)
 def context_update(x, fc, hidden_norm, wk, wv, k_norm, kcache, vcache, start, cos, sin, nkv, hd, eps, bf16,
                    par_min_macs):
     """The draft's context K/V of n committed tokens (spec §3), all layers in one call, as
@@ -223,20 +303,10 @@ def context_update(x, fc, hidden_norm, wk, wv, k_norm, kcache, vcache, start, co
         c = rms(rnd?(x fc^T), hidden_norm);  per layer l: K = rope(k_norm(c Wk_l^T)), V = c Wv_l^T
     x [n, n_taps*H] the taps; fc: panels of [H, n_taps*H]; wk, wv, k_norm: tuples over layers
     (panels of [nkv*hd, H], [hd]); kcache / vcache [L, nkv, T, hd]: rows start..start+n-1 written."""
-    n = x.shape[0]
-    H = hidden_norm.shape[0]
-    if start + n > kcache.shape[2]:
-        raise ValueError("context_update: the context cache has no room for the tokens (reserve first)")
-    c = _rms(_linear(x, fc, H, par_min_macs, bf16), hidden_norm, eps, bf16)  # [n, H]
-    for l in range(len(wk)):
-        k = _rms(_linear(c, wk[l], nkv * hd, par_min_macs, bf16).reshape(n * nkv, hd), k_norm[l], eps, bf16)
-        kr = np.empty((n, nkv, hd), np.float32)  # [n, nkv, hd]
-        _rope_rows(k.reshape(n, nkv, hd), cos, sin, bf16, kr)
-        v = _linear(c, wv[l], nkv * hd, par_min_macs, bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
-        _write_kv(kcache[l], vcache[l], start, kr, v)
+    _context_kernel(bool(bf16), par_min_macs < NEVER)(x, fc, hidden_norm, wk, wv, k_norm, kcache, vcache, start,
+                                                      cos, sin, nkv, hd, eps, par_min_macs)
 
 
-# ------------------------------------------------------------------ Python side
 def layer_args(nh: int, nkv: int, hd: int, offsets: tuple, taps: int = 0, group_size: int = 0,
                block_len: int = 0):
     """The `shape` tuple of decoder_layer; offsets = (k_at, v_at, u_at) from fuse_weights; conv

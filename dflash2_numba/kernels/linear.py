@@ -23,7 +23,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..numerics import as_f32, bf16_to_f32
-from .panels import gemv_panels
+from .panels import _gemv_panels_par, _gemv_panels_ser
 
 GEMV_MAX_ROWS = 32  # rows of x up to which the numba kernel is used
 ROW_BLOCK = 16  # output rows per parallel work item (amortises scratch allocation)
@@ -209,7 +209,9 @@ def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.nd
     panels = getattr(w, "panels", None)  # a PackedBF16 weight (kernels/panels.py)
     w = np.asarray(w)  # the plain array for the other paths
     if panels is not None and 0 < M <= GEMV_MAX_ROWS:
-        gemv_panels(x, panels, y, use_parallel(M * N * K))
+        # the driver picked here, not inside numba: a Python call of panels.gemv_panels would
+        # compile it with both drivers, the parallel one even at one thread (docs/cold_start.md)
+        (_gemv_panels_par if use_parallel(M * N * K) else _gemv_panels_ser)(x, panels, y)
         return y
     if M > GEMV_MAX_ROWS or w.dtype not in (np.uint16, np.float32) or M == 0:
         return _linear_chunked(x, w, y)
