@@ -18,9 +18,24 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("f32", "bf16")
 
 
-def load_target(model_dir, device: str = "cpu", dtype: str = "f32"):
+QUANTIZE = ("bf16", "q8_0", "q4_0")  # "bf16": the weights as stored
+
+
+def _quantize_arg(quantize):
+    """None / "bf16" / "none" -> None (as stored); "q8_0" / "q4_0" pass; anything else refused."""
+    if quantize in (None, "bf16", "none"):
+        return None
+    if quantize not in QUANTIZE:
+        raise GenerationArgumentError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
+    return quantize
+
+
+def load_target(model_dir, device: str = "cpu", dtype: str = "f32", quantize: str | None = None,
+                keep_head: bool = False):
     """A Hugging Face target directory (any family in `families.FAMILIES`) -> its model with
-    `.tokenizer` attached."""
+    `.tokenizer` attached. quantize "q8_0" / "q4_0": every linear weight (the lm_head too,
+    unless keep_head) is quantized at load with llama.cpp's block math (Qwen3 / Llama targets)."""
+    quantize = _quantize_arg(quantize)
     if device not in DEVICES:
         raise GenerationArgumentError(f"device must be one of {DEVICES}, got {device!r}")
     if dtype not in DTYPES:
@@ -35,7 +50,16 @@ def load_target(model_dir, device: str = "cpu", dtype: str = "f32"):
     # config and tokenizer first: their refusals need no kernel module (no numba import)
     family.resolve(raw, str(config_path))
     tok = Tokenizer.from_dir(model_dir)
-    target = family.model_class().load(model_dir, device=device, dtype=dtype)
+    if quantize is None:
+        target = family.model_class().load(model_dir, device=device, dtype=dtype)
+    else:
+        from .models.target import TargetModel
+
+        if family.model_class() is not TargetModel:
+            raise GenerationArgumentError(
+                f"{config_path}: quantize={quantize!r} is implemented for Qwen3 / Llama targets, "
+                f"not {family.model_class().__name__}")
+        target = TargetModel.load(model_dir, device=device, dtype=dtype, quantize=quantize, keep_head=keep_head)
     target.tokenizer = tok
     # ids >= the tokenizer's size are padding (§2.1); the decode loop masks them to -inf
     target.valid_vocab = min(tok.vocab_size, target.config.vocab_size)
@@ -62,9 +86,17 @@ def draft_kind(draft_dir) -> str:
     return DRAFT_ARCHITECTURES[arch]
 
 
-def load_draft(draft_dir, target):
-    """A DFlash (v1) or DFlash2 draft directory, paired with a loaded target."""
+def load_draft(draft_dir, target, quantize: str | None = "same"):
+    """A DFlash (v1) or DFlash2 draft directory, paired with a loaded target. quantize: "same"
+    (the target's weight format), "bf16" (as stored), "q8_0", "q4_0". Draft activations stay f32."""
     kind = draft_kind(draft_dir)
     from .models import draft as draft_models  # lazy: the model module is heavy
 
-    return draft_models.load_draft(Path(draft_dir), target, kind=kind)
+    ops = None
+    if quantize != "same":
+        quantize = _quantize_arg(quantize)
+        if quantize != getattr(target.ops, "quantize", None):
+            from .kernels.backend import get_ops
+
+            ops = get_ops(target.ops.device, quantize)
+    return draft_models.load_draft(Path(draft_dir), target, kind=kind, ops=ops)

@@ -18,11 +18,14 @@ Contracts (all float32 activations):
     apply_rope(x [n, heads, hd], cos [n, hd], sin [n, hd], bf16) -> [n, heads, hd]   (the same)
     swiglu(gate [n, I], up [n, I], bf16) -> [n, I]                                  (the same)
     prepare_weight(w) -> the array to hand to linear (CPU: bf16 weights repacked into panels,
-                         kernels/panels.PackedBF16; numpy: an f32 copy)
+                         kernels/panels.PackedBF16, or with quantize="q8_0" / "q4_0" a
+                         quant/weights.QuantizedWeight that replaces the source; numpy: an f32 copy)
+    prepare_head(w)   -> the lm_head's preparation (None: prepare_weight; keep_head: packed bf16)
     short_conv(window [K-1+n, C], w [C, K], bf16) -> [n, C]                (kernels/gdn.py)
     gated_delta(q, k, v, g, beta, state_in, state_out) -> o [n, Hv, dv]    (kernels/gdn.py)
 """
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +106,20 @@ class Ops:
     swiglu: Callable = layers.swiglu
     short_conv: Callable = gdn.short_conv  # Gated DeltaNet targets (models/qwen3_5.py)
     gated_delta: Callable = gdn.gated_delta_rule
+    quantize: str | None = None  # "q8_0" / "q4_0": the linear weights' format (None: as stored)
+    prepare_head: Callable | None = None  # None: the head is prepared like every other weight
+
+
+QUANTIZE = (None, "q8_0", "q4_0")
+
+
+def _prepare_quantized(fmt: str, w):
+    """A 2-D float weight -> QuantizedWeight in fmt; anything else as the bf16 path packs it."""
+    from ..quant.weights import quantize_weight
+
+    if isinstance(w, np.ndarray) and w.ndim == 2 and w.size and w.dtype in (np.uint16, np.float32, np.float16):
+        return quantize_weight(w, fmt, f"weight {list(w.shape)}")
+    return pack_bf16(w)
 
 
 def _conv_kernels():
@@ -112,12 +129,19 @@ def _conv_kernels():
     return grouped_conv, grouped_conv_numpy
 
 
-def get_ops(device: str = "cpu") -> Ops:
+def get_ops(device: str = "cpu", quantize: str | None = None, keep_head: bool = False) -> Ops:
+    """quantize: None (weights as stored) | "q8_0" | "q4_0" (CPU only); keep_head: the lm_head
+    stays as stored (packed bf16) when the rest is quantized."""
+    if quantize not in QUANTIZE:
+        raise GenerationArgumentError(f"quantize {quantize!r}: expected one of none, q8_0, q4_0")
+    if quantize is not None and device != "cpu":
+        raise GenerationArgumentError(f"--quantize {quantize} runs on the cpu device, not {device!r}")
     if device == "cpu":
         check_kernel_cache()  # a corrupt numba cache file: a named error, not a traceback mid-run
         conv, _ = _conv_kernels()
-        return Ops("cpu", linear, attention, conv, pack_bf16, rowwise.rms_norm, rowwise.apply_rope,
-                   rowwise.swiglu)
+        prepare = functools.partial(_prepare_quantized, quantize) if quantize else pack_bf16
+        return Ops("cpu", linear, attention, conv, prepare, rowwise.rms_norm, rowwise.apply_rope,
+                   rowwise.swiglu, quantize=quantize, prepare_head=pack_bf16 if quantize and keep_head else None)
     if device == "numpy":
         _, conv = _conv_kernels()
         return Ops("numpy", linear_reference, attention_reference, conv, as_f32,

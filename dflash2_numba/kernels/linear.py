@@ -1,8 +1,9 @@
 """y = x @ w.T with bf16 (uint16) weights converted on the fly (spec §6).
 
-    linear(x [M, K] f32, w [N, K] uint16|float32|float16|PackedBF16) -> y [M, N] f32
+    linear(x [M, K] f32, w [N, K] uint16|float32|float16|PackedBF16|QuantizedWeight) -> y [M, N] f32
 
-Three regimes:
+Quantized weights (quant/weights.py, q8_0 / q4_0) take the integer kernels at every row count.
+Otherwise three regimes:
 - decode size, PackedBF16 weight (what ops.prepare_weight gives the models on the CPU): the
   panel micro-kernels of kernels/panels.py (the fast path; 1..GEMV_MAX_ROWS rows).
 - decode size, a plain uint16 / float32 array (M <= GEMV_MAX_ROWS): a numba kernel, parallel over blocks of output rows.
@@ -23,6 +24,8 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..numerics import as_f32, bf16_to_f32
+from ..quant.kernels_int8 import _gemv_quant_par, _gemv_quant_ser, quantize_rows_entry
+from ..quant.weights import QuantizedWeight
 from .panels import _gemv_panels_par, _gemv_panels_ser
 
 GEMV_MAX_ROWS = 32  # rows of x up to which the numba kernel is used
@@ -198,6 +201,15 @@ def _linear_chunked(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarray:
     return y
 
 
+def linear_quantized(x: np.ndarray, w: QuantizedWeight, y: np.ndarray) -> np.ndarray:
+    """y [M, N] = x [M, K] @ w.T on the integer kernels (quant/kernels_int8.py), any M."""
+    qw, ws, cs = w.panels
+    xq, xs = quantize_rows_entry(x, ws.shape[1] * 32)
+    N = w.shape[0]
+    (_gemv_quant_par if use_parallel(x.shape[0] * N * x.shape[1]) else _gemv_quant_ser)(xq, xs, qw, ws, cs, y)
+    return y
+
+
 def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y = x @ w.T. x [M, K] float32, w [N, K] uint16 (bf16) / float32 / float16 -> [M, N] f32."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -206,6 +218,8 @@ def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if Kw != K:
         raise ValueError(f"linear: x has {K} features, weight has {Kw} columns (shape {list(w.shape)})")
     y = np.empty((M, N), dtype=np.float32) if out is None else out
+    if isinstance(w, QuantizedWeight):  # q8_0 / q4_0 panels: every row count, prefill included
+        return linear_quantized(x, w, y)
     panels = getattr(w, "panels", None)  # a PackedBF16 weight (kernels/panels.py)
     w = np.asarray(w)  # the plain array for the other paths
     if panels is not None and 0 < M <= GEMV_MAX_ROWS:

@@ -92,22 +92,29 @@ def pack_bf16(w: np.ndarray) -> np.ndarray:
     return packed
 
 
-def group_panels(weights: list) -> tuple[np.ndarray, tuple[int, ...]]:
+def group_panels(weights: list) -> tuple:
     """One product for several weights that read the same input (q, k, v; gate, up): their
     panels concatenated along the panel axis -> (panels [sum NP, K, 32], the first column of
     each part in the grouped output). Each part keeps its padding to whole work items, so
     every weight's `.panels` is re-pointed to its slice of the group (a view: no extra memory)
     and a product over the group gives each output column the same fma chain as the weight
-    alone."""
+    alone. Quantized weights (quant/weights.py: panels (qw, ws, cs)) group component-wise."""
     parts = [w.panels for w in weights]
-    if any(p is None or p.shape[1] != parts[0].shape[1] for p in parts):
-        raise ValueError("group_panels: every weight must be packed and read the same input features")
-    group = np.concatenate(parts, axis=0)  # [sum NP, K, 32]
+    quant = isinstance(parts[0], tuple)
+    first = [p[0] if isinstance(p, tuple) else p for p in parts]
+    if any(p is None or isinstance(p, tuple) != quant or f.shape[1:] != first[0].shape[1:] or f.dtype != first[0].dtype
+           for p, f in zip(parts, first)):
+        raise ValueError("group_panels: every weight must be packed alike and read the same input features")
+    if quant:
+        group = tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(3))
+    else:
+        group = np.concatenate(parts, axis=0)  # [sum NP, K, 32]
     offsets, at = [], 0
-    for w, p in zip(weights, parts):
+    for w, f in zip(weights, first):
         offsets.append(at * PANEL_COLS)
-        w.panels = group[at:at + p.shape[0]]
-        at += p.shape[0]
+        n = f.shape[0]
+        w.panels = tuple(g[at:at + n] for g in group) if quant else group[at:at + n]
+        at += n
     return group, tuple(offsets)
 
 

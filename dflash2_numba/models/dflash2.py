@@ -49,8 +49,8 @@ class DFlash2Draft(DFlashDraft):
 
     kind = "dflash2"
 
-    def __init__(self, config, checkpoint, target):
-        super().__init__(config, checkpoint, target)
+    def __init__(self, config, checkpoint, target, ops=None):
+        super().__init__(config, checkpoint, target, ops)
         c = config
         self.taps, self.group_size, self.groups = c.conv_kernel_size, c.conv_group_size, c.conv_groups
         for i, L in enumerate(self.layers):

@@ -51,9 +51,9 @@ class DFlashDraft:
 
     kind = "dflash"
 
-    def __init__(self, config: DraftConfig, checkpoint: Checkpoint, target):
+    def __init__(self, config: DraftConfig, checkpoint: Checkpoint, target, ops=None):
         self.config, self.checkpoint, self.target = config, checkpoint, target
-        self.ops = target.ops  # one device switch for the pair
+        self.ops = ops or target.ops  # one device switch for the pair (ops: another weight format)
         self.dtype, self.bf16 = target.dtype, target.dtype == "bf16"
         self.rope = RopeTables(config.head_dim, config.rope_theta, self.bf16)  # cos/sin by position
         self.block_size = config.block_size
@@ -291,7 +291,7 @@ def top_candidates(z: np.ndarray, n: int) -> list[dict]:
     return [{"candidate_ids": i.tolist(), "candidate_scores": z[l, i].tolist()} for l, i in enumerate(ids)]
 
 
-def load_draft(draft_dir, target, kind: str | None = None):
+def load_draft(draft_dir, target, kind: str | None = None, ops=None):
     """A DFlash (v1) or DFlash2 draft directory paired with a loaded TargetModel. `kind` is
     decided by config.json architectures[0] (api.draft_kind); given here only to cross-check."""
     draft_dir = Path(draft_dir)
@@ -302,5 +302,5 @@ def load_draft(draft_dir, target, kind: str | None = None):
     if config.kind == "dflash2":
         from .dflash2 import DFlash2Draft  # the subclass imports this module
 
-        return DFlash2Draft(config, checkpoint, target)
-    return DFlashDraft(config, checkpoint, target)
+        return DFlash2Draft(config, checkpoint, target, ops)
+    return DFlashDraft(config, checkpoint, target, ops)

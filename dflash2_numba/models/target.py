@@ -101,10 +101,11 @@ class TargetModel:
 
         self.embed_table = get("model.embed_tokens.weight")  # [V, H] stays uint16: rows on demand
         self.norm_w = as_f32(get("model.norm.weight"))  # [H]
+        head = ops.prepare_head or w  # quantized like the rest unless kept as stored
         if c.tie_word_embeddings:  # HF ties lm_head to the embedding even if a copy is stored
-            self.lm_head_w = w(self.embed_table)  # [V, H]
+            self.lm_head_w = head(self.embed_table)  # [V, H]
         else:
-            self.lm_head_w = w(get("lm_head.weight"))  # [V, H]
+            self.lm_head_w = head(get("lm_head.weight"))  # [V, H]
         # per layer: 0 = full causal attention, W = causal sliding window of W positions
         self.layer_windows = [int(w or 0) for w in (c.layer_window or (None,) * c.num_hidden_layers)]
         self.layers = []
@@ -145,11 +146,12 @@ class TargetModel:
         return out
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "f32") -> "TargetModel":
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "f32", quantize: str | None = None,
+             keep_head: bool = False) -> "TargetModel":
         """Read config.json + safetensors (single or sharded), validate the tensor inventory
         (MissingTensorsError / UnexpectedTensorsError / TensorShapeError), pick the kernels."""
         config = load_target_config(model_dir)
-        return cls(config, open_checkpoint(model_dir), get_ops(device), dtype)
+        return cls(config, open_checkpoint(model_dir), get_ops(device, quantize, keep_head), dtype)
 
     # ------------------------------------------------------------------ pieces (also used by drafts)
     def new_cache(self, max_len: int = 256) -> KVCache:

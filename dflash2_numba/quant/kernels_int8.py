@@ -1,0 +1,356 @@
+"""Integer GEMV on q8_0 / q4_0 panels (quant/formats.py), one micro-kernel per instruction set.
+
+    gemv_quant(x [M, K] f32, (qw, ws, cs), y [M, N] f32, parallel)    # y = x @ dequant(w).T
+
+1. Activations are quantized per row and per 32-block by ONE function (`quantize_rows`, every
+   row count and path calls it): llama.cpp's AVX quantize_row_q8_0, d = amax / 127 kept as
+   fp16, q = rint(x * (127 / amax)) (ties to even), |q| <= 127.
+2. Per (row r, column c, block b) the int32 block dot isum = sum_j xq[r, 32b + j] * wq[c, 32b + j],
+   exact on every path (|isum| <= 32 * 127 * 127 < 2^24):
+     avx512_vnni  vpdpbusd zmm (16 columns x 4 k per instruction) on xq + 128 as unsigned bytes,
+                  minus cs = 128 * sum_j wq (precomputed at load: no per-k extra work);
+     avx_vnni     the same with ymm ({vex} vpdpbusd, or the EVEX form with AVX512-VL);
+     avx2         llama.cpp's sign trick: |w| (unsigned) x sign(w)*x (signed) by vpmaddubsw,
+                  whose int16 pair sums stay <= 2 * 127 * 127 (no saturation), then vpmaddwd by
+                  ones into int32 lanes;
+     generic      plain LLVM vector IR (sign-extend, multiply, add the 4 products of a column),
+                  which LLVM legalises on any target.
+   The path is fixed when the kernels compile (kernels/isa.py: numba's target features, which
+   numba's cache key holds), never per call.
+3. ONE float epilogue for every path: acc = fma(ws[c, b] * xs[r, b], float(isum), acc) over
+   b = 0, 1, ... in order from acc = 0. The thread split is over columns only. So y is bit for
+   bit the same for every instruction set, row count, tile and thread count.
+
+Tiles: rows in groups of 4 (then 2, then 1) against a column group of one panel: 4 x 32
+columns = 8 int32 + 8 f32 zmm on AVX-512; 4 x 8 columns on 256-bit / generic (16 ymm: 4 + 4
+accumulators and the sign-trick temporaries). Rows beyond 32 (prefill) run the same kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ..kernels import isa
+from ..numerics import _f32_as_u32, _u32_as_f32
+from .formats import BLOCK, ITEM_COLS, ITEM_PANELS, PANEL_COLS
+
+MODES = {"avx512_vnni": "vnni512", "avx_vnni": "vnni256", "avx2": "avx2", "generic": "generic"}
+MODE = MODES[isa.selected()]
+VNNI = MODE.startswith("vnni")  # the paths that need the column sums cs
+V = 16 if MODE == "vnni512" else 8  # int32 lanes (columns) per vector
+GROUP_COLS = PANEL_COLS if MODE == "vnni512" else V  # columns per tile
+
+
+# ------------------------------------------------------------------ activations
+@njit(inline="always")
+def round_f16(v):
+    """f32 v >= 0 -> the nearest fp16 value (ties to even) as f32: how llama.cpp stores d."""
+    if v < np.float32(6.103515625e-05):  # below fp16's smallest normal: multiples of 2^-24
+        return np.float32(np.rint(np.float64(v) * 16777216.0) / 16777216.0)
+    bits = _f32_as_u32(v)
+    bits = (bits + np.uint32(0x0FFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    if bits >= np.uint32(0x477FF000):  # rounds past fp16's largest finite value (65504)
+        return np.float32(np.inf)
+    return _u32_as_f32(bits)
+
+
+@njit(inline="always")
+def quantize_rows(x, Kp):
+    """x [M, K] f32 -> (xq [M, Kp] int8, xs [M, Kp/32] f32): per row and 32-block (the last block
+    zero-padded) d = fp16(amax / 127), q = rint(x * (127 / amax)). The one activation quantizer."""
+    M, K = x.shape
+    nb = Kp // BLOCK
+    xq = np.zeros((M, Kp), np.int8)
+    xs = np.empty((M, nb), np.float32)
+    for r in range(M):
+        for b in range(nb):
+            k0, k1 = b * BLOCK, min(K, (b + 1) * BLOCK)
+            amax = np.float32(0.0)
+            for k in range(k0, k1):
+                amax = max(amax, abs(x[r, k]))
+            xs[r, b] = round_f16(amax / np.float32(127.0))
+            inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
+            for k in range(k0, k1):
+                xq[r, k] = np.int8(np.rint(x[r, k] * inv))
+    return xq, xs
+
+
+# ------------------------------------------------------------------ micro-kernel (LLVM IR)
+def _tile(R: int, G: int, fmt: str):
+    """An intrinsic tile(xq, xs, m0, qw, ws, cs, p, col0, y, ycol): rows m0..m0+R-1, columns
+    col0 .. col0 + G*V - 1 of panel p -> y[m0 + r, ycol + col0 + j] (f32, the epilogue of the
+    module docstring). xq [M, Kp] int8, xs [M, nb] f32, qw / ws / cs the panels, y f32, all C."""
+    q4 = fmt == "q4_0"
+    steps = 4 if q4 else 8  # loads per 32-block and group: a q4 load holds two k-quads
+
+    @intrinsic
+    def tile(typingctx, xq, xs, m0, qw, ws, cs, p, col0, y, ycol):
+        arrays = (xq, xs, qw, ws, cs, y)
+        if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
+            return None
+        if (xq.dtype, xs.dtype, qw.dtype, ws.dtype, cs.dtype, y.dtype) != (
+                types.int8, types.float32, types.uint8 if q4 else types.int8, types.float32, types.int32,
+                types.float32):
+            return None
+        sig = types.void(xq, xs, types.int64, qw, ws, cs, types.int64, types.int64, y, types.int64)
+
+        def codegen(context, builder, signature, args):
+            xqv, xsv, m0, qwv, wsv, csv, p, col0, yv, ycol = args
+            xa, xsa, qa, wa, ca, ya = [context.make_array(signature.args[i])(context, builder, args[i])
+                                       for i in (0, 1, 3, 4, 5, 8)]
+            i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                                      ir.FloatType())
+            vb, vi, vf = ir.VectorType(i8, 4 * V), ir.VectorType(i32, V), ir.VectorType(f32, V)
+
+            def const(v):
+                return ir.Constant(i64, v)
+
+            def fn(name, ret, argtys):
+                return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
+
+            def splat(scalar, vty):
+                undef = ir.Constant(vty, ir.Undefined)
+                one = builder.insert_element(undef, scalar, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
+
+            Kp = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+            nb = builder.ashr(Kp, const(5))
+            ldy = cgutils.unpack_tuple(builder, ya.shape, 2)[1]
+            panel_bytes = builder.mul(Kp, const(PANEL_COLS // 2 if q4 else PANEL_COLS))
+            w0 = builder.gep(builder.bitcast(qa.data, i8.as_pointer()),
+                             [builder.add(builder.mul(p, panel_bytes), builder.mul(col0, const(4)))])
+            meta = builder.add(builder.mul(builder.mul(p, nb), const(PANEL_COLS)), col0)  # ws / cs [p, 0, col0]
+            s0 = builder.gep(wa.data, [meta])
+            c0 = builder.gep(ca.data, [meta])
+            x0 = builder.gep(xa.data, [builder.mul(m0, Kp)])  # &xq[m0, 0]
+            xs0 = builder.gep(xsa.data, [builder.mul(m0, nb)])
+            y0 = builder.gep(ya.data, [builder.add(builder.mul(m0, ldy), builder.add(ycol, col0))])
+            fma = fn(f"llvm.fma.v{V}f32", vf, [vf, vf, vf])
+            zero_i, zero_f = ir.Constant(vi, [0] * V), ir.Constant(vf, [0.0] * V)
+
+            if MODE == "vnni512":
+                dp = fn("llvm.x86.avx512.vpdpbusd.512", vi, [vi, vb, vb])
+            elif MODE == "vnni256":
+                dp = fn("llvm.x86.avx512.vpdpbusd.256", vi, [vi, vb, vb])
+            elif MODE == "avx2":
+                vh = ir.VectorType(i16, 2 * V)
+                absb = fn(f"llvm.abs.v{4 * V}i8", vb, [vb, ir.IntType(1)])
+                psign = fn("llvm.x86.avx2.psign.b", vb, [vb, vb])
+                maddubs = fn("llvm.x86.avx2.pmadd.ub.sw", vh, [vb, vb])
+                maddwd = fn("llvm.x86.avx2.pmadd.wd", vi, [vh, vh])
+                ones16 = ir.Constant(vh, [1] * (2 * V))
+            else:
+                vw = ir.VectorType(i32, 4 * V)
+                picks = [ir.Constant(ir.VectorType(i32, V), [4 * i + j for i in range(V)]) for j in range(4)]
+
+            def prep(w):
+                """Per weight vector, what every row's dot reuses."""
+                if MODE == "avx2":
+                    return w, builder.call(absb, [w, ir.Constant(ir.IntType(1), 0)])
+                if MODE == "generic":
+                    return builder.sext(w, vw), None
+                return w, None
+
+            def dot(acc, xword, wprep):
+                """acc += the 4-product sums of xword (4 activation bytes, every column) x w."""
+                w, aux = wprep
+                if VNNI:  # unsigned operand: x + 128 (xor of the sign bits); cs corrects it
+                    xb = builder.bitcast(splat(builder.xor(xword, ir.Constant(i32, -0x7F7F7F80)), vi), vb)
+                    return builder.call(dp, [acc, xb, w])
+                xb = builder.bitcast(splat(xword, vi), vb)
+                if MODE == "avx2":
+                    sx = builder.call(psign, [xb, w])  # sign(w) * x, |x| <= 127
+                    pairs = builder.call(maddubs, [aux, sx])  # |w| * sign(w) x, pairs <= 32258
+                    return builder.add(acc, builder.call(maddwd, [pairs, ones16]))
+                prod = builder.mul(w, builder.sext(xb, vw))  # [4V] int32
+                undef = ir.Constant(vw, ir.Undefined)
+                part = [builder.shuffle_vector(prod, undef, pk) for pk in picks]
+                return builder.add(acc, builder.add(builder.add(part[0], part[1]), builder.add(part[2], part[3])))
+
+            entry = builder.block
+            loop = builder.append_basic_block("qtile.b")
+            done = builder.append_basic_block("qtile.done")
+            builder.cbranch(builder.icmp_signed("<=", nb, const(0)), done, loop)
+
+            builder.position_at_end(loop)  # one 32-block: int32 dots, then the float epilogue
+            b = builder.phi(i64)
+            facc = [[builder.phi(vf) for _ in range(G)] for _ in range(R)]
+            iacc = [[zero_i] * G for _ in range(R)]
+            wblock = builder.gep(w0, [builder.mul(b, const(steps * PANEL_COLS * 4))])
+            xblock = builder.mul(b, const(BLOCK))
+            for step in range(steps):
+                loads = []
+                for g in range(G):
+                    ptr = builder.gep(wblock, [const(step * PANEL_COLS * 4 + g * V * 4)])
+                    loads.append(builder.load(builder.bitcast(ptr, vb.as_pointer()), align=1))
+                if q4:  # low nibbles: k-quad `step`, high: `step + 4`; both - 8 -> int8
+                    eight, mask = ir.Constant(vb, [8] * 4 * V), ir.Constant(vb, [15] * 4 * V)
+                    quads = [(step, [builder.sub(builder.and_(w, mask), eight) for w in loads]),
+                             (step + 4, [builder.sub(builder.lshr(w, ir.Constant(vb, [4] * 4 * V)), eight)
+                                         for w in loads])]
+                else:
+                    quads = [(step, loads)]
+                for kq, ws_ in quads:
+                    prepped = [prep(w) for w in ws_]
+                    for r in range(R):
+                        at = builder.add(builder.add(builder.mul(const(r), Kp), xblock), const(4 * kq))
+                        xword = builder.load(builder.bitcast(builder.gep(x0, [at]), i32.as_pointer()), align=1)
+                        for g in range(G):
+                            iacc[r][g] = dot(iacc[r][g], xword, prepped[g])
+            new = []
+            for r in range(R):
+                xsr = builder.load(builder.gep(xs0, [builder.add(builder.mul(const(r), nb), b)]))
+                xsb = splat(xsr, vf)
+                row = []
+                for g in range(G):
+                    at = builder.add(builder.mul(b, const(PANEL_COLS)), const(g * V))
+                    wsv_ = builder.load(builder.bitcast(builder.gep(s0, [at]), vf.as_pointer()), align=4)
+                    isum = iacc[r][g]
+                    if VNNI:
+                        csv_ = builder.load(builder.bitcast(builder.gep(c0, [at]), vi.as_pointer()), align=4)
+                        isum = builder.sub(isum, csv_)
+                    scale = builder.fmul(wsv_, xsb)  # ws * xs: ONE rounding, the same on every path
+                    row.append(builder.call(fma, [scale, builder.sitofp(isum, vf), facc[r][g]]))
+                new.append(row)
+            b_next = builder.add(b, const(1))
+            b.add_incoming(const(0), entry)
+            b.add_incoming(b_next, loop)
+            for r in range(R):
+                for g in range(G):
+                    facc[r][g].add_incoming(zero_f, entry)
+                    facc[r][g].add_incoming(new[r][g], loop)
+            builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
+
+            builder.position_at_end(done)
+            outs = [[builder.phi(vf) for _ in range(G)] for _ in range(R)]  # phis lead the block
+            for r in range(R):
+                for g in range(G):
+                    out = outs[r][g]
+                    out.add_incoming(zero_f, entry)
+                    out.add_incoming(new[r][g], loop)
+                    ptr = builder.gep(y0, [builder.add(builder.mul(const(r), ldy), const(g * V))])
+                    builder.store(out, builder.bitcast(ptr, vf.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_G = GROUP_COLS // V
+_tiles = {fmt: (_tile(4, _G, fmt), _tile(2, _G, fmt), _tile(1, _G, fmt)) for fmt in ("q8_0", "q4_0")}
+_q8_4, _q8_2, _q8_1 = _tiles["q8_0"]
+_q4_4, _q4_2, _q4_1 = _tiles["q4_0"]
+
+
+# ------------------------------------------------------------------ drivers
+def _make_item(t4, t2, t1):
+    @njit(inline="always")
+    def item(xq, xs, qw, ws, cs, y, b):
+        """Output columns b*128 .. b*128+127 for every row; y [M, N]."""
+        M = xq.shape[0]
+        N = y.shape[1]
+        scratch = np.empty((M, ITEM_COLS), np.float32)  # [M, 128]
+        for pp in range(ITEM_PANELS):
+            p = b * ITEM_PANELS + pp
+            for col0 in range(0, PANEL_COLS, GROUP_COLS):
+                m0 = 0
+                while M - m0 >= 4:
+                    t4(xq, xs, m0, qw, ws, cs, p, col0, scratch, pp * PANEL_COLS)
+                    m0 += 4
+                if M - m0 >= 2:
+                    t2(xq, xs, m0, qw, ws, cs, p, col0, scratch, pp * PANEL_COLS)
+                    m0 += 2
+                if M - m0 == 1:
+                    t1(xq, xs, m0, qw, ws, cs, p, col0, scratch, pp * PANEL_COLS)
+        n0 = b * ITEM_COLS
+        for r in range(M):
+            for j in range(min(ITEM_COLS, N - n0)):
+                y[r, n0 + j] = scratch[r, j]
+
+    return item
+
+
+_item_q8 = _make_item(_q8_4, _q8_2, _q8_1)
+_item_q4 = _make_item(_q4_4, _q4_2, _q4_1)
+
+
+def _item(xq, xs, qw, ws, cs, y, b):  # pragma: no cover - typing stub, see the overload
+    raise NotImplementedError
+
+
+@overload(_item, inline="always")
+def _item_impl(xq, xs, qw, ws, cs, y, b):
+    """The format's item driver, chosen by the weight's dtype at compile time."""
+    return (_item_q4 if qw.dtype == types.uint8 else _item_q8).py_func
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _gemv_quant_par(xq, xs, qw, ws, cs, y):
+    for b in prange(qw.shape[0] // ITEM_PANELS):
+        _item(xq, xs, qw, ws, cs, y, b)
+
+
+@njit(cache=True, nogil=True)
+def _gemv_quant_ser(xq, xs, qw, ws, cs, y):
+    for b in range(qw.shape[0] // ITEM_PANELS):
+        _item(xq, xs, qw, ws, cs, y, b)
+
+
+@njit(inline="always")
+def gemv_quant(x, w, y, parallel):
+    """y [M, N] = x [M, K] @ dequant(w).T, w = (qw, ws, cs) panels; callable from numba code
+    (kernels/fused.py) and from Python (through kernels/linear.py)."""
+    qw, ws, cs = w
+    xq, xs = quantize_rows(x, ws.shape[1] * BLOCK)
+    if parallel:
+        _gemv_quant_par(xq, xs, qw, ws, cs, y)
+    else:
+        _gemv_quant_ser(xq, xs, qw, ws, cs, y)
+
+
+@njit(cache=True, nogil=True)
+def quantize_rows_entry(x, Kp):
+    """quantize_rows callable from Python (tests, the numpy reference's cross-check)."""
+    return quantize_rows(x, Kp)
+
+
+# ------------------------------------------------------------------ numpy int64 reference
+def quantize_rows_reference(x: np.ndarray, Kp: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy version of quantize_rows (independent code: fp16 rounding by numpy's cast)."""
+    M, K = x.shape
+    xp = np.zeros((M, Kp), np.float32)
+    xp[:, :K] = x
+    blocks = xp.reshape(M, Kp // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=2)  # [M, nb]
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    xq = np.rint(blocks * inv[:, :, None]).astype(np.int8).reshape(M, Kp)
+    xs = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    return xq, xs
+
+
+def block_dots_reference(xq: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """int64 isum [M, N, nb] = sum over each 32-block of xq [M, Kp] x q [N, Kp]."""
+    M, Kp = xq.shape
+    a = xq.reshape(M, -1, BLOCK).astype(np.int64)
+    w = q.reshape(q.shape[0], -1, BLOCK).astype(np.int64)
+    return np.einsum("mbj,nbj->mnb", a, w)
+
+
+def gemv_quant_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The kernels' result from (q [N, Kp] int8, d [N, nb] f16) by numpy: int64 block dots,
+    then acc = fma(d * xs, isum, acc) over blocks in order (fma emulated in f64: the product
+    of an f32 and an integer < 2^20 is exact, the sum is rounded once to f64 then to f32)."""
+    xq, xs = quantize_rows_reference(np.asarray(x, np.float32), q.shape[1])
+    isum = block_dots_reference(xq, q)  # [M, N, nb]
+    ds = d.astype(np.float32)  # [N, nb]
+    acc = np.zeros((x.shape[0], q.shape[0]), np.float32)
+    for b in range(isum.shape[2]):
+        scale = (ds[None, :, b] * xs[:, None, b]).astype(np.float32)  # [M, N] one f32 rounding
+        acc = (scale.astype(np.float64) * isum[:, :, b] + acc).astype(np.float32)
+    return acc

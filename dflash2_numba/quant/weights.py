@@ -1,0 +1,149 @@
+"""Quantized weights as the models hold them, and the one GEMV dispatch the fused engine calls.
+
+    w = quantize_weight(bf16 [N, K], "q8_0", name)   # QuantizedWeight: .shape, .panels, .nbytes
+    gemv_weights(x, w.panels, y, parallel)             # numba: bf16 panels or (qw, ws, cs)
+
+A QuantizedWeight REPLACES its source: it keeps no reference to the bf16 / f32 array, and the
+source's pages of a memory-mapped checkpoint are handed back to the kernel once quantized
+(madvise DONTNEED: a file-backed page is re-read from the page cache only if touched again), so
+resident memory is the quantized panels, not panels + checkpoint. Rows are quantized in chunks
+(bounded f32 scratch) and a line on stderr reports progress for big tensors.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import time
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from ..errors import QuantizeError
+from ..kernels.panels import PANEL_COLS, _gemv_panels_ser, gemv_panels
+from . import formats
+from .kernels_int8 import VNNI, _gemv_quant_ser, gemv_quant, quantize_rows
+
+CHUNK_ELEMS = 1 << 24  # weights quantized per numpy pass (64 MiB of f32 scratch)
+PROGRESS_MIN_ELEMS = 1 << 26  # tensors from this size on get a progress line
+
+
+class QuantizedWeight:
+    """A [N, K] weight in a llama.cpp block format, held only as integer panels (formats.py)."""
+
+    def __init__(self, fmt: str, shape: tuple[int, int], panels: tuple[np.ndarray, np.ndarray, np.ndarray]):
+        self.format, self.shape, self.panels = fmt, tuple(shape), panels
+
+    ndim = 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.panels)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.format}, shape={list(self.shape)}, {self.nbytes} bytes)"
+
+
+def quantize_weight(w: np.ndarray, fmt: str, name: str = "weight") -> QuantizedWeight:
+    """A 2-D bf16 / f16 / f32 weight [N, K] -> QuantizedWeight in `fmt` (q8_0 | q4_0)."""
+    if fmt not in formats.FORMATS:
+        raise QuantizeError(f"{name}: format {fmt!r}; expected one of {', '.join(formats.FORMATS)}")
+    if not isinstance(w, np.ndarray) or w.ndim != 2 or w.size == 0:
+        raise QuantizeError(f"{name}: {fmt} needs a non-empty 2-D weight, got {getattr(w, 'shape', type(w).__name__)}")
+    N, K = w.shape
+    if K % formats.BLOCK:
+        raise QuantizeError(f"{name}: {fmt} needs input features (shape[1]) a multiple of "
+                            f"{formats.BLOCK}, got shape {list(w.shape)}")
+    rows = max(1, CHUNK_ELEMS // K)
+    q = np.empty((N, K), np.int8)
+    d = np.empty((N, K // formats.BLOCK), np.float16)
+    t0, loud = time.perf_counter(), w.size >= PROGRESS_MIN_ELEMS
+    for n0 in range(0, N, rows):
+        q[n0:n0 + rows], d[n0:n0 + rows] = formats.QUANTIZERS[fmt](w[n0:n0 + rows], name)
+        if loud:
+            print(f"\rquantizing {name} to {fmt}: {min(N, n0 + rows) * 100 // N}%", end="", file=sys.stderr)
+    if loud:
+        print(f" ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    panels = formats.pack(q, d, fmt, colsums=VNNI)
+    release_pages(w)
+    return QuantizedWeight(fmt, (N, K), panels)
+
+
+def release_pages(a: np.ndarray) -> None:
+    """Hand the whole pages of a memory-mapped array back to the OS (no-op for other arrays)."""
+    base = a
+    while isinstance(getattr(base, "base", None), np.ndarray):
+        base = base.base
+    mm = getattr(base, "_mmap", None)
+    if not isinstance(mm, mmap.mmap) or not hasattr(mm, "madvise"):
+        return
+    start = a.ctypes.data - base.ctypes.data
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+# ------------------------------------------------------------------ numba-side dispatch
+def _is_quant(w) -> bool:
+    return isinstance(w, types.BaseTuple) and len(w) == 3
+
+
+def gemv_weights(x, w, y, parallel):  # pragma: no cover - typing stub, see the overload
+    raise NotImplementedError
+
+
+@overload(gemv_weights, inline="never")  # a call, not inlined: numba's inliner loses scope on nested inline lambdas
+def _gemv_weights(x, w, y, parallel):
+    """y = x @ w.T for either kind of panels: bf16 [NP, K, 32] uint16 or quantized (qw, ws, cs).
+    A literal False `parallel` (kernels/fused.py's one-thread variants) types the serial driver
+    only, so a one-thread run never compiles a parfor."""
+    serial = isinstance(parallel, types.BooleanLiteral) and not parallel.literal_value
+    if _is_quant(w):
+        if serial:
+            def quant_serial(x, w, y, parallel):
+                qw, ws, cs = w
+                xq, xs = quantize_rows(x, ws.shape[1] * formats.BLOCK)
+                _gemv_quant_ser(xq, xs, qw, ws, cs, y)
+            return quant_serial
+        return lambda x, w, y, parallel: gemv_quant(x, w, y, parallel)
+    if serial:
+        return lambda x, w, y, parallel: _gemv_panels_ser(x, w, y)
+    return lambda x, w, y, parallel: gemv_panels(x, w, y, parallel)
+
+
+def panel_columns(w):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(panel_columns, inline="always")
+def _panel_columns(w):
+    """Output columns of a panel set, padding included."""
+    if _is_quant(w):
+        return lambda w: w[0].shape[0] * PANEL_COLS
+    return lambda w: w.shape[0] * PANEL_COLS
+
+
+def in_features(w):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(in_features, inline="always")
+def _in_features(w):
+    """K of a panel set (quantized: K % 32 == 0, quantize_weight checks it)."""
+    if _is_quant(w):
+        return lambda w: w[1].shape[1] * formats.BLOCK
+    return lambda w: w.shape[1]
+
+
+def weight_size(w):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(weight_size, inline="always")
+def _weight_size(w):
+    """Elements of the panels (0: no weight, e.g. fused.NO_CONV)."""
+    if _is_quant(w):
+        return lambda w: w[0].size
+    return lambda w: w.size
