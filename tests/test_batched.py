@@ -99,3 +99,26 @@ def test_families_that_do_not_batch_run_per_request(pair):
     assert batched.batches_target(target) and batched.batches_draft(drafts["dflash2"])
     from dflash2_numba.decode.drafter import OracleDrafter
     assert not batched.batches_draft(OracleDrafter(target))
+
+
+def test_stacked_context_updates_bits_equal_one_at_a_time(pair):
+    _, drafts = pair
+    draft = drafts["dflash2"]
+    c = draft.config
+    rng = np.random.default_rng(1)
+    sizes = [8, 7, 8, 6, 8, 40]  # 37 stackable rows (> 32) and a prompt-sized update (alone, BLAS)
+    taps = [rng.standard_normal((n, c.n_taps * c.hidden_size)).astype(np.float32) for n in sizes]
+    prefix = [rng.standard_normal((p, c.n_taps * c.hidden_size)).astype(np.float32) for p in (3, 9, 1, 5, 2, 4)]
+    one, many = [], []
+    for pre in prefix:
+        for states in (one, many):
+            st = draft.new_state(128)
+            draft.extend_context(st, pre, 0, np.zeros(len(pre), np.int64))
+            states.append(st)
+    for st, t in zip(one, taps):
+        draft.extend_context(st, t, st.length, np.zeros(len(t), np.int64))
+    draft.extend_contexts(many, taps, [st.length for st in many], [np.zeros(len(t), np.int64) for t in taps])
+    for a, b in zip(one, many):
+        assert a.length == b.length
+        np.testing.assert_array_equal(a.k[:, :, :a.length], b.k[:, :, :b.length])
+        np.testing.assert_array_equal(a.v[:, :, :a.length], b.v[:, :, :b.length])

@@ -35,7 +35,7 @@ from ..errors import ContextLengthError, GenerationArgumentError, SelectorRefuse
 from .drafter import valid_vocab
 from .sampling import SamplingParams, mask_padded
 from .stats import DecodeStats
-from .step import Decoding, StepResult, check_finite, pick_token, tokenizer_of  # noqa: F401 (public names)
+from .step import Decoding, StepResult, check_finite, pick_token, run_draft, tokenizer_of  # noqa: F401 (public names)
 
 
 @dataclass
@@ -148,7 +148,7 @@ def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: S
     yield step
     while not dec.finished:
         call = dec.begin_step()
-        block = dec.verify_ids(None if call is None else draft.propose(*call.args))  # [Bv]
+        block = dec.verify_ids(run_draft(draft, call))  # [Bv]
         logits, taps = target.forward(block, dec.cache, tap_layers=dec.tap_layers)  # [Bv, V], [Bv, T*H]
         yield dec.accept(logits, taps)
 

@@ -7,8 +7,8 @@ requests whose draft and verify forwards are batched: serve/engine.py, models/ba
     while first is None:
         first = dec.prefill_step()          # one chunk of <= PREFILL_CHUNK prompt tokens
     while not dec.finished:
-        call = dec.begin_step()             # Bv; extends the draft context -> DraftCall | None
-        prop = draft.propose(*call.args) if call else None        # (batched in the engine)
+        call = dec.begin_step()             # Bv -> the draft work (DraftCall) | None
+        prop = run_draft(draft, call)       # context update + propose (batched in the engine)
         block = dec.verify_ids(prop)        # [Bv] anchor + drafts
         logits, taps = target.forward(block, dec.cache, dec.tap_layers)   # (batched too)
         step = dec.accept(logits, taps)     # StepResult
@@ -50,8 +50,10 @@ class StepResult:
 
 @dataclass
 class DraftCall:
-    """The arguments of one `draft.propose` (decode/drafter.py) for this request's step."""
+    """This request's draft work of one step (decode/drafter.py): `draft.extend_context(state,
+    *context)` (the committed tokens not yet in the draft context), then `draft.propose(*args)`."""
     state: object
+    context: tuple  # (taps [n, T*H] | None, start_pos, token_ids [n])
     anchor_id: int
     anchor_pos: int
     n_rows: int
@@ -61,6 +63,14 @@ class DraftCall:
     @property
     def args(self) -> tuple:
         return self.state, self.anchor_id, self.anchor_pos, self.n_rows, self.sampling, self.rng
+
+
+def run_draft(draft, call: DraftCall | None):
+    """One request's draft work (None when the step verifies the anchor alone) -> Proposal | None."""
+    if call is None:
+        return None
+    draft.extend_context(call.state, *call.context)
+    return draft.propose(*call.args)
 
 
 def check_finite(logits: np.ndarray, what: str, first_position: int) -> None:
@@ -158,9 +168,9 @@ class Decoding:
 
     # ---------------------------------------------------------------- one verify step
     def begin_step(self) -> DraftCall | None:
-        """Start a step: Bv = rows to verify; when a draft runs (Bv >= 2), extend its context
-        and return the proposal to make (the draft always runs the runtime Q rows: its block
-        is non-causal, so its length changes every row; the budget only trims the verify)."""
+        """Start a step: Bv = rows to verify; when a draft runs (Bv >= 2), the draft work to do:
+        the context update and the proposal (the draft always runs the runtime Q rows: its
+        block is non-causal, so its length changes every row; the budget only trims the verify)."""
         assert self.cache.length == self.start and len(self.ids) == self.start + 1, (
             self.cache.length, self.start, len(self.ids))
         self.Bv = min(self.Q, self.max_len - 1 - self.start)  # remaining budget
@@ -168,10 +178,9 @@ class Decoding:
         self._t0 = time.perf_counter()
         if self.Bv < 2:
             return None
-        self.draft.extend_context(self.dstate, self.ctx_taps, self.ctx_start,
-                                  np.asarray(self.ids[self.ctx_start:self.start], np.int64))
+        context = (self.ctx_taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
         self.ctx_taps, self.ctx_start = None, self.start
-        return DraftCall(self.dstate, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
+        return DraftCall(self.dstate, context, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
 
     def verify_ids(self, prop) -> np.ndarray:
         """The verify block [Bv]: anchor + the proposal's drafts trimmed to the budget."""

@@ -21,21 +21,27 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..decode.step import run_draft
 from .draft import DFlashDraft
 from .layers import in_row_chunks
 from .target import Span, TargetModel, forward_ids
 
 
 def batches_target(target) -> bool:
-    """True when verify_batch stacks this target's rows (plain Qwen3 / Llama on the CPU)."""
+    """True when verify_batch stacks this target's rows: a plain Qwen3 / Llama on the CPU whose
+    weights the fused engine reads (panels: the row-invariant GEMV; float32 checkpoints take
+    the row GEMV, whose vectorised reduction may differ between row groups)."""
     cls = type(target)
     return (isinstance(target, TargetModel) and cls._layer is TargetModel._layer
-            and cls.forward is TargetModel.forward and target.ops.device == "cpu")
+            and cls.forward is TargetModel.forward and target.ops.device == "cpu"
+            and target._fused_layers is not None and hasattr(target.lm_head_w, "panels"))
 
 
 def batches_draft(draft) -> bool:
-    """True when propose_batch stacks this drafter's blocks (DFlash / DFlash2 on the CPU)."""
-    return isinstance(draft, DFlashDraft) and draft.ops.device == "cpu"
+    """True when propose_batch stacks this drafter's blocks (DFlash / DFlash2 on the CPU, panel
+    weights) and the target's head it reads."""
+    return (isinstance(draft, DFlashDraft) and draft.ops.device == "cpu" and draft._fusable()
+            and hasattr(draft.fc, "panels") and hasattr(getattr(draft.target, "lm_head_w", None), "panels"))
 
 
 def verify_batch(target, blocks: list[np.ndarray], caches: list, tap_layers=()) -> list[tuple]:
@@ -71,11 +77,12 @@ def verify_batch(target, blocks: list[np.ndarray], caches: list, tap_layers=()) 
 
 
 def propose_batch(draft, calls: list) -> list:
-    """calls: decode/step.DraftCall per request -> the Proposal of each, as
-    `draft.propose(*call.args)` gives it (the same bits, the same random draws from each
+    """calls: decode/step.DraftCall per request -> the Proposal of each, as its own
+    context update + `draft.propose(*call.args)` give it (the same bits, the same random draws from each
     request's own rng: the selector / sampling runs per request, in order)."""
     if len(calls) == 1 or not batches_draft(draft):
-        return [draft.propose(*call.args) for call in calls]
+        return [run_draft(draft, call) for call in calls]
+    draft.extend_contexts([c.state for c in calls], *zip(*(c.context for c in calls)))
     for call in calls:
         draft._check_propose(call.n_rows)
     rows = [call.n_rows for call in calls]

@@ -97,36 +97,67 @@ class DFlashDraft:
     def extend_context(self, state: KVCache, taps, start_pos: int, token_ids) -> None:
         """Append context K/V of committed tokens start_pos..start_pos+n-1 from their target taps
         [n, n_taps*H] (token ids are not needed: the draft reads only taps)."""
-        n = len(token_ids)
-        if start_pos != state.length:
-            raise GenerationArgumentError(
-                f"extend_context: start_pos {start_pos}, but the draft context holds 0..{state.length - 1}")
-        if n == 0:
-            return
-        c, bf16 = self.config, self.bf16
-        if taps is None or taps.shape != (n, c.n_taps * c.hidden_size):
-            got = None if taps is None else list(taps.shape)
-            raise GenerationArgumentError(
-                f"extend_context: taps {got}, expected [{n}, {c.n_taps} * {c.hidden_size}] "
-                f"for target_layer_ids {c.target_layer_ids}")
-        ops, linear, eps, nkv, hd = self.ops, self.ops.linear, c.rms_norm_eps, c.num_key_value_heads, c.head_dim
-        x = np.ascontiguousarray(taps, dtype=np.float32)  # [n, n_taps*H]
-        cos, sin = self.rope.span(start_pos, n)  # [n, hd]
-        state.reserve(n + c.block_size)
-        if self._fusable() and fused.can_fuse(n, (self.fc,)):  # one numba call, the same bits
-            fused.context_update(x, self.fc.panels, self.hidden_norm, self._ctx_weights["k"], self._ctx_weights["v"],
-                                 self._ctx_weights["k_norm"], state.k, state.v, start_pos, cos, sin, nkv, hd,
-                                 np.float32(eps), bf16, fused.parallel_min_macs())
-            state.length = start_pos + n
-            return
-        ctx = ops.rms_norm(rnd_if(linear(x, self.fc), bf16), self.hidden_norm, eps, bf16)  # [n, H] c_t
+        self.extend_contexts([state], [taps], [start_pos], [token_ids])
+
+    def extend_contexts(self, states, taps_list, starts, ids_list) -> None:
+        """extend_context of several requests at once. Updates of at most 32 rows (a step's
+        accepted tokens) are stacked: every product runs over all their rows in chunks of <= 32
+        (layers.in_row_chunks), so each gets the bits of its own fused update. A longer one (a
+        prompt's taps) runs on its own, exactly as alone (its products go to BLAS)."""
+        c = self.config
+        items = []  # (state, taps [n, n_taps*H] f32, start_pos, n)
+        for state, taps, start_pos, token_ids in zip(states, taps_list, starts, ids_list):
+            n = len(token_ids)
+            if start_pos != state.length:
+                raise GenerationArgumentError(
+                    f"extend_context: start_pos {start_pos}, but the draft context holds 0..{state.length - 1}")
+            if n == 0:
+                continue
+            if taps is None or taps.shape != (n, c.n_taps * c.hidden_size):
+                got = None if taps is None else list(taps.shape)
+                raise GenerationArgumentError(
+                    f"extend_context: taps {got}, expected [{n}, {c.n_taps} * {c.hidden_size}] "
+                    f"for target_layer_ids {c.target_layer_ids}")
+            state.reserve(n + c.block_size)
+            items.append((state, np.ascontiguousarray(taps, dtype=np.float32), int(start_pos), n))
+        stackable = self._fusable() and len(items) > 1
+        fits = [stackable and fused.can_fuse(it[3], (self.fc,)) for it in items]
+        for it, fit in zip(items, fits):
+            if not fit:
+                self._context_update([it], self.ops.linear)
+        stacked = [it for it, fit in zip(items, fits) if fit]
+        if stacked:
+            self._context_update(stacked, self._row_linear)
+
+    def _context_update(self, items, linear) -> None:
+        """Context K/V of items [(state, taps [n, T*H], start_pos, n)]: one item through the fused
+        kernel when it applies, else op by op with `linear` over the stacked rows."""
+        c, bf16, ops = self.config, self.bf16, self.ops
+        eps, nkv, hd = c.rms_norm_eps, c.num_key_value_heads, c.head_dim
+        if len(items) == 1:
+            state, x, start_pos, n = items[0]
+            cos, sin = self.rope.span(start_pos, n)  # [n, hd]
+            if self._fusable() and fused.can_fuse(n, (self.fc,)):  # one numba call, the same bits
+                fused.context_update(x, self.fc.panels, self.hidden_norm, self._ctx_weights["k"],
+                                     self._ctx_weights["v"], self._ctx_weights["k_norm"], state.k, state.v,
+                                     start_pos, cos, sin, nkv, hd, np.float32(eps), bf16, fused.parallel_min_macs())
+                state.length = start_pos + n
+                return
+        else:
+            x = np.concatenate([it[1] for it in items])  # [N, n_taps*H]
+            cos, sin = self.rope(np.concatenate([np.arange(s, s + n) for _, _, s, n in items]))  # [N, hd]
+        N = x.shape[0]
+        bounds = np.cumsum([0] + [it[3] for it in items])
+        ctx = ops.rms_norm(rnd_if(linear(x, self.fc), bf16), self.hidden_norm, eps, bf16)  # [N, H] c_t
         for i, L in enumerate(self.layers):
-            k = rnd_if(linear(ctx, L["k"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
+            k = rnd_if(linear(ctx, L["k"]), bf16).reshape(N, nkv, hd)  # [N, nkv, hd]
             k = ops.apply_rope(ops.rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
-            v = rnd_if(linear(ctx, L["v"]), bf16).reshape(n, nkv, hd)  # [n, nkv, hd]
-            state.k[i, :, start_pos:start_pos + n] = k.transpose(1, 0, 2)  # [nkv, n, hd]
-            state.v[i, :, start_pos:start_pos + n] = v.transpose(1, 0, 2)
-        state.length = start_pos + n
+            v = rnd_if(linear(ctx, L["v"]), bf16).reshape(N, nkv, hd)  # [N, nkv, hd]
+            for (state, _, s, n), r0 in zip(items, bounds):
+                state.k[i, :, s:s + n] = k[r0:r0 + n].transpose(1, 0, 2)  # [nkv, n, hd]
+                state.v[i, :, s:s + n] = v[r0:r0 + n].transpose(1, 0, 2)
+        for state, _, s, n in items:
+            state.length = s + n
 
     # ------------------------------------------------------------------ block forward
     def embed_block(self, anchor_ids, n_rows) -> np.ndarray:
