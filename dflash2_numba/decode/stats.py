@@ -12,7 +12,8 @@ Definitions (peers disagree, so here they are):
   steps (draft + verify + bookkeeping); tokens_per_s = generated tokens / (prefill_s + decode_s)
   and decode_tokens_per_s = tokens after the first / decode_s;
 - threads: numba threads the kernels ran with; compile_s: the CLI's first-run warm-up (kernel
-  compilation), kept out of every timing above.
+  compilation), kept out of every timing above; peak_rss_mb: the process's peak resident set
+  (getrusage ru_maxrss) when the CLI reports.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class DecodeStats:
     speedup: float | None = None
     threads: int = 1  # numba threads the kernels ran with
     compile_s: float | None = None  # first-run kernel compilation (a warm-up), not in any timing above
+    peak_rss_mb: float | None = None  # the process's peak resident memory (ru_maxrss), set by the CLI
 
     def record_step(self, rows: int, accepted: int) -> None:
         self.steps += 1
@@ -106,7 +108,18 @@ class DecodeStats:
                      + ("s" if self.threads != 1 else ""))
         if self.compile_s is not None:
             lines.append(f"compile  {self.compile_s:.1f}s first-run kernel compilation (not in the times above)")
+        if self.peak_rss_mb is not None:
+            lines.append(f"memory   {self.peak_rss_mb:.0f} MB peak resident (weights, caches, kernels)")
         if self.baseline_tokens_per_s is not None:
             sp = "n/a" if self.speedup is None else f"{self.speedup:.2f}x"
             lines.append(f"baseline {self.baseline_tokens_per_s:.1f} tok/s autoregressive, speedup {sp}")
         return "\n".join(lines)
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory in MB (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
