@@ -30,6 +30,7 @@ from .errors import (
     UnexpectedTensorsError,
     UnknownDTypeError,
 )
+from .input_files import MAX_CONFIG_BYTES, read_json_object
 
 # safetensors dtype -> numpy dtype we hand out (BF16 stays as its bits)
 DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
@@ -235,19 +236,20 @@ class Checkpoint:
 
 def read_weight_map(index: Path) -> dict[str, str]:
     """`{"weight_map": {tensor: file}}` of a sharded checkpoint."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
-        raise CorruptHeaderError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from e
+    weight_map = read_json_object(index, MAX_CONFIG_BYTES, CorruptHeaderError).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise CorruptHeaderError(f"{index}: weight_map must map tensor names to file names")
+    for name, f in weight_map.items():  # a shard lives IN the directory: no '/', no '..'
+        if f in ("", ".", "..") or "/" in f or "\\" in f or "\0" in f:
+            raise CorruptHeaderError(f"{index}: tensor '{name}' names the shard {f!r}, expected a file name "
+                                     "inside the checkpoint directory")
     return weight_map
 
 
 def _shard_files(directory: Path) -> list[Path]:
     """Files named by model.safetensors.index.json, or the single model file."""
     index = directory / INDEX_NAME
-    if index.is_file():
+    if index.exists():
         weight_map = read_weight_map(index)
         files = [directory / f for f in sorted(set(weight_map.values()))]
         for f in files:
@@ -279,7 +281,7 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
                 raise CorruptHeaderError(f"{path}: tensor '{name}' also in {tensors[name].file}")
             tensors[name] = info
     index = directory / INDEX_NAME
-    if index.is_file():
+    if index.exists():
         # the index is what loaders trust: every tensor it names must be in the shard it names
         wrong = sorted(n for n, f in read_weight_map(index).items() if n not in tensors or tensors[n].file.name != f)
         if wrong:

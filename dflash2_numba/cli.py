@@ -14,20 +14,24 @@ Without `--target`, the embedded default pair is used (see default.py), draft in
 
 Errors: every refusal of this package (DFlashError) and every click usage error (`--block-size
 abc`, an unknown option) prints ONE line `error: ClassName: message` on stderr and exits with
-code 2. Output paths, prompt ids and prompt files are checked (cli_checks.py) before a model is
-loaded, so a refusal never follows partial output.
+code 2. Output paths are opened (created) and prompt ids and prompt files read and checked
+(cli_checks.py) before a model is loaded, so a refusal never follows partial output; a `--json`
+file is written before the statistics, so a destination that fails only when written (a full
+device) ends the run with the error as the last stderr line. A stdout that cannot be written
+(`> /dev/full`, a closed pipe) is an OutputPathError too, not a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
-from pathlib import Path
+from contextlib import contextmanager
 
 import click
 
 from . import __version__
-from .cli_checks import check_output_path, one_line, parse_prompt_ids, read_prompt_file
+from .cli_checks import one_line, open_output, parse_prompt_ids, read_prompt_file
 from .decode.sampling import SamplingParams
 from .errors import DFlashError, GenerationArgumentError, OutputPathError
 from .serve.command import make_serve_command
@@ -109,7 +113,13 @@ def _read_prompt(prompt, prompt_file, prompt_ids):
     return prompt, None
 
 
-def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False):
+def _quantize_option(f):
+    return click.option("--quantize", type=click.Choice(["bf16", "q8_0", "q4_0"]), default="bf16", show_default=True,
+                        help="Weight format: bf16 = as stored; q8_0 / q4_0 = llama.cpp's blocks, quantized at load "
+                             "(target and draft, lm_head included).")(f)
+
+
+def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False, quantize=None):
     from . import api
     from .default import default_pair
     from .kernels.backend import default_threads, set_threads
@@ -120,22 +130,46 @@ def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False):
         draft_dir = draft_dir or default_draft
     if need_draft and draft_dir is None:
         raise GenerationArgumentError("this command needs a draft: pass --draft DIR")
-    target = api.load_target(target_dir, device=device, dtype=dtype)
+    target = api.load_target(target_dir, device=device, dtype=dtype, quantize=quantize)
     draft = api.load_draft(draft_dir, target) if draft_dir is not None else None
     if threads is None:  # the default: the physical cores, one thread for a small model
         set_threads(default_threads(target.checkpoint.parameter_count()))
     return target_dir, draft_dir, target, draft
 
 
-def _write_json(obj, dest) -> None:
+def emit(text: str, nl: bool = True) -> None:
+    """click.echo to stdout. A stdout that refuses the bytes (a full device, a closed pipe) is
+    an OutputPathError; stdout then points at /dev/null so that the interpreter's final flush
+    of what is still buffered cannot print a second, unhandled error."""
+    try:
+        click.echo(text, nl=nl)
+    except OSError as e:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        raise OutputPathError(f"stdout: cannot write ({e.strerror})") from e
+
+
+@contextmanager
+def json_destination(dest):
+    """`--json dest` opened now (cli_checks.open_output); a file this run created is removed
+    again when the run fails before writing it."""
+    out = open_output(dest)
+    try:
+        yield out
+    except BaseException:
+        if out is not None:
+            out.discard()
+        raise
+
+
+def _write_json(obj, dest, out) -> None:
     text = json.dumps(obj, indent=2, ensure_ascii=False)
     if dest == "-":
-        click.echo(text)
+        emit(text)
     else:
-        try:  # checked before decoding (check_output_path); this catches a race or a full disk
-            Path(dest).write_text(text + "\n", encoding="utf-8")
-        except OSError as e:
-            raise OutputPathError(f"--json {dest}: cannot write ({e})") from e
+        out.write(text + "\n")
 
 
 # ---------------------------------------------------------------- generate
@@ -149,56 +183,58 @@ def _write_json(obj, dest) -> None:
 @click.option("--baseline", is_flag=True, help="Also run target-only on the same prompt and report the speedup.")
 @click.option("--json", "json_dest", default=None, metavar="PATH|-",
               help="Write the result object to PATH, or to stdout with '-' (then text is not streamed).")
+@_quantize_option
 def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat,
              block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
-             json_dest):
+             json_dest, quantize):
     """Generate text; stream it to stdout, statistics to stderr."""
     from .decode.loop import generate as run_generate, resolve_prompt_ids, stream_generate
+    from .decode.stats import peak_rss_mb
     from .decode.warmup import warm_up
 
-    check_output_path(json_dest)
-    SamplingParams(temperature, top_k, top_p, seed)  # refused before the (slow) model load
-    prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
-    target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads)
-    ids = resolve_prompt_ids(target, prompt, ids, chat)
-    kwargs = dict(max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
-                  top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids)
+    with json_destination(json_dest) as out:
+        SamplingParams(temperature, top_k, top_p, seed)  # refused before the (slow) model load
+        prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
+        target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)
+        ids = resolve_prompt_ids(target, prompt, ids, chat)
+        kwargs = dict(max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
+                      top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids)
 
-    # compile first (cold cache: one notice), so that no timing below pays the JIT
-    compile_s = warm_up(target, draft, baseline=baseline, **kwargs)
+        # compile first (cold cache: one notice), so that no timing below pays the JIT
+        compile_s = warm_up(target, draft, baseline=baseline, **kwargs)
 
-    out, parts, finish, stats = [], [], None, None
-    for step in stream_generate(target, draft, **kwargs):
-        out.extend(step.token_ids)
-        parts.append(step.text)
-        finish, stats = step.finish_reason, step.stats
-        if json_dest != "-" and step.text:
-            click.echo(step.text, nl=False)
-    if json_dest != "-":
-        click.echo("")
-        sys.stdout.flush()  # the text's last line before the stats block on stderr
+        tokens, parts, finish, stats = [], [], None, None
+        for step in stream_generate(target, draft, **kwargs):
+            tokens.extend(step.token_ids)
+            parts.append(step.text)
+            finish, stats = step.finish_reason, step.stats
+            if json_dest != "-" and step.text:
+                emit(step.text, nl=False)
+        if json_dest != "-":
+            emit("")  # the text's last line before the stats block on stderr
 
-    if baseline:
-        base = run_generate(target, None, **dict(kwargs, block_size=None))
-        stats.set_baseline(base.stats)
-        if temperature == 0.0 and base.output_ids != out:
-            i = next((j for j, (a, b) in enumerate(zip(base.output_ids, out)) if a != b),
-                     min(len(base.output_ids), len(out)))
-            click.echo(f"warning: greedy speculative output differs from target-only at token {i}", err=True)
-    stats.compile_s = compile_s
-    click.echo(stats.format(), err=True)
+        if baseline:
+            base = run_generate(target, None, **dict(kwargs, block_size=None))
+            stats.set_baseline(base.stats)
+            if temperature == 0.0 and base.output_ids != tokens:
+                i = next((j for j, (a, b) in enumerate(zip(base.output_ids, tokens)) if a != b),
+                         min(len(base.output_ids), len(tokens)))
+                click.echo(f"warning: greedy speculative output differs from target-only at token {i}", err=True)
+        stats.compile_s = compile_s
+        stats.peak_rss_mb = peak_rss_mb()
 
-    if json_dest is not None:
-        s = stats.to_dict()
-        _write_json({
-            "target": str(target_dir), "draft": None if draft_dir is None else str(draft_dir),
-            "draft_kind": None if draft is None else draft.kind, "block_size": stats.block_size,
-            "prompt_ids": ids, "output_ids": out, "text": "".join(parts), "finish_reason": finish,
-            "stats": {k: s[k] for k in (
-                "steps", "tau", "acceptance_lengths", "acceptance_histogram",
-                "per_position_acceptance", "prefill_s", "draft_s", "verify_s", "decode_s",
-                "tokens_per_s", "baseline_tokens_per_s", "speedup")},
-        }, json_dest)
+        if json_dest is not None:  # before the stats: a failed write is the last stderr line
+            s = stats.to_dict()
+            _write_json({
+                "target": str(target_dir), "draft": None if draft_dir is None else str(draft_dir),
+                "draft_kind": None if draft is None else draft.kind, "block_size": stats.block_size,
+                "prompt_ids": ids, "output_ids": tokens, "text": "".join(parts), "finish_reason": finish,
+                "stats": {k: s[k] for k in (
+                    "steps", "tau", "acceptance_lengths", "acceptance_histogram",
+                    "per_position_acceptance", "prefill_s", "draft_s", "verify_s", "decode_s",
+                    "tokens_per_s", "baseline_tokens_per_s", "speedup", "peak_rss_mb")},
+            }, json_dest, out)
+        click.echo(stats.format(), err=True)
 
 
 # ---------------------------------------------------------------- propose
@@ -207,36 +243,37 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
 @_prompt_options
 @_sampling_options
 @click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the proposal object to PATH or stdout ('-').")
+@_quantize_option
 def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat,
-            block_size, temperature, top_k, top_p, seed, json_dest):
+            block_size, temperature, top_k, top_p, seed, json_dest, quantize):
     """One draft proposal round, stopping before verification."""
     from .decode.loop import propose_once
 
-    check_output_path(json_dest)
-    SamplingParams(temperature, top_k, top_p, seed)
-    prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
-    _, _, target, draft = _load(target_dir, draft_dir, device, dtype, threads, need_draft=True)
-    res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, block_size=block_size,
-                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    if json_dest is not None:
-        _write_json(res, json_dest)
-        if json_dest == "-":
-            return
+    with json_destination(json_dest) as out:
+        SamplingParams(temperature, top_k, top_p, seed)
+        prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
+        _, _, target, draft = _load(target_dir, draft_dir, device, dtype, threads, need_draft=True, quantize=quantize)
+        res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, block_size=block_size,
+                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if json_dest is not None:
+            _write_json(res, json_dest, out)
+    if json_dest == "-":
+        return
     tok = getattr(target, "tokenizer", None)
     show = (lambda i: repr(tok.decode([i]))) if tok is not None else str
-    click.echo(f"draft kind {draft.kind}, prompt {len(res['prompt_ids'])} tokens, "
+    emit(f"draft kind {draft.kind}, prompt {len(res['prompt_ids'])} tokens, "
                f"anchor {res['anchor']} {show(res['anchor'])} at position {res['anchor_position']}")
     chosen = res.get("chosen_slots")
     for j, (pos, d) in enumerate(zip(res["positions"], res["draft_ids"])):
         line = f"  pos {pos}: draft {d} {show(d)}"
         if chosen is not None:
             line += f" (slot {chosen[j]})"
-        click.echo(line)
+        emit(line)
         slot = (res.get("slots") or [None] * len(res["draft_ids"]))[j]
         if slot:
             cands = ", ".join(f"{c} {show(c)} {s:.3f}" for c, s in
                               zip(slot["candidate_ids"], slot["candidate_scores"]))
-            click.echo(f"      candidates: {cands}")
+            emit(f"      candidates: {cands}")
 
 
 # ---------------------------------------------------------------- inspect
@@ -248,13 +285,12 @@ def inspect(model_dir, json_dest, no_hash):
     """Resolved config, architecture, tensor inventory and sha256 of a target or draft directory."""
     from .inspect_model import format_inspect, inspect_model
 
-    check_output_path(json_dest)
-    report = inspect_model(model_dir, hash_files=not no_hash)
-    if json_dest is not None:
-        _write_json(report, json_dest)
-        if json_dest == "-":
-            return
-    click.echo(format_inspect(report))
+    with json_destination(json_dest) as out:
+        report = inspect_model(model_dir, hash_files=not no_hash)
+        if json_dest is not None:
+            _write_json(report, json_dest, out)
+    if json_dest != "-":
+        emit(format_inspect(report))
 
 
 main.add_command(make_serve_command(_model_options, _load))  # serve/command.py

@@ -7,11 +7,11 @@ the directory.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config_checks import (
+    MAX_LAYERS,
     architecture_of,
     check_bool,
     check_float,
@@ -21,6 +21,7 @@ from .config_checks import (
     get_float,
     get_int,
     get_object,
+    get_str,
     head_geometry,
     token_ids,
 )
@@ -36,6 +37,7 @@ from .errors import (
     UnknownArchitectureError,
     UnsupportedConfigError,
 )
+from .input_files import MAX_CONFIG_BYTES, read_json_object
 
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2",
@@ -66,16 +68,9 @@ def read_config_json(model_dir: str | Path) -> tuple[Path, dict]:
     if not model_dir.is_dir():
         raise CheckpointNotFoundError(f"{model_dir}: expected a model directory, got a file")
     path = model_dir / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointNotFoundError(f"{path}: config.json not found in {model_dir}")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptHeaderError(f"{path}: not valid JSON ({e})") from e
-    except RecursionError as e:  # json recurses per nesting level
-        raise CorruptHeaderError(f"{path}: JSON nested too deeply to parse (corrupt)") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(path, MAX_CONFIG_BYTES, CorruptHeaderError, not_object=ConfigError)
     return path, raw
 
 
@@ -151,16 +146,16 @@ def resolve_target_config(raw: dict, source: str = "config.json") -> TargetConfi
     for key in ("attention_bias", "mlp_bias"):
         if get_bool(raw, key, source, default=False):
             raise UnsupportedConfigError(f"{source}: {key} = true is not supported (no bias path)")
-    if raw.get("hidden_act", "silu") != "silu":
+    if get_str(raw, "hidden_act", source, default="silu") != "silu":
         raise UnsupportedConfigError(f"{source}: hidden_act = {raw['hidden_act']!r}; only 'silu'")
     _refuse_rope_scaling(raw, source)
     H = get_int(raw, "hidden_size", source, minimum=1)
     nh, nkv, hd = head_geometry(raw, source, H)
-    n_layers = get_int(raw, "num_hidden_layers", source, minimum=1)
+    n_layers = get_int(raw, "num_hidden_layers", source, minimum=1, maximum=MAX_LAYERS)
     windows, sliding_window = _target_windows(raw, arch, n_layers, source)
     return TargetConfig(
         architecture=arch,
-        model_type=raw.get("model_type", ""),
+        model_type=get_str(raw, "model_type", source, default=""),
         hidden_size=H,
         intermediate_size=get_int(raw, "intermediate_size", source, minimum=1),
         num_hidden_layers=n_layers,
@@ -345,7 +340,7 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
 
     H = get_int(raw, "hidden_size", source, minimum=1)
     nh, nkv, hd = head_geometry(raw, source, H)
-    n_layers = get_int(raw, "num_hidden_layers", source, minimum=1)
+    n_layers = get_int(raw, "num_hidden_layers", source, minimum=1, maximum=MAX_LAYERS)
     key, num_target_layers = _first(("num_target_layers", raw.get("num_target_layers")),
                                     ("dflash_config.num_target_layers", dc.get("num_target_layers")))
     if num_target_layers is None and target is not None:

@@ -23,6 +23,9 @@ import math
 from .errors import ConfigError, ConfigValueError
 
 REQUIRED = object()  # `default` sentinel: the key must be present and not null
+# num_hidden_layers above this is refused: the inventory lists every layer's tensors, so 10**30
+# would allocate until the process dies (the largest published models have ~130 layers)
+MAX_LAYERS = 4096
 
 
 def _is_int(value) -> bool:
@@ -102,6 +105,15 @@ def get_bool(raw: dict, key: str, source: str, default=REQUIRED, shown_key: str 
     return value if absent else check_bool(value, shown_key or key, source)
 
 
+def get_str(raw: dict, key: str, source: str, default=REQUIRED, shown_key: str | None = None):
+    """A JSON string (`model_type`, `hidden_act`, ...): a number or a list there is refused, not
+    compared against names (a list is not even hashable)."""
+    value, absent = _get(raw, key, source, default)
+    if not absent and not isinstance(value, str):
+        raise ConfigValueError(f"{source}: {shown_key or key} = {_shown(value)}, expected a JSON string")
+    return value
+
+
 def get_object(raw: dict, key: str, source: str) -> dict:
     """A nested JSON object (absent / null -> {})."""
     value = raw.get(key)
@@ -130,6 +142,14 @@ def token_ids(value, key: str, source: str) -> list[int]:
     if isinstance(value, list):
         return check_int_list(value, key, source, minimum=0)
     return [check_int(value, key, source, minimum=0)]
+
+
+def bos_token_id(text: dict, raw: dict, where: str, source: str) -> int | None:
+    """`bos_token_id` of a nested text config, else of the top level (composite configs put it
+    in either place): an integer >= 0 or absent."""
+    if text.get("bos_token_id") is not None:
+        return get_int(text, "bos_token_id", where, minimum=0)
+    return get_int(raw, "bos_token_id", source, default=None, minimum=0)
 
 
 def head_geometry(raw: dict, source: str, H: int, prefix: str = "") -> tuple[int, int, int]:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from .config import _refuse_rope_scaling
 from .inventory import ExpectedTensors
-from .config_checks import check_float, get_float, get_int, head_geometry, token_ids
+from .config_checks import (MAX_LAYERS, architecture_of, bos_token_id, check_float, get_bool, get_float, get_int,
+                            get_object, get_str, head_geometry, token_ids)
 from .errors import ConfigError, PairingError, UnsupportedConfigError
 
 MUSE_MODEL_TYPES = ("muse_glimmer", "muse_glimmer_text")
@@ -101,10 +102,9 @@ def _schedule(text: dict, L: int, theta: float | None, source: str) -> tuple[lis
 
 
 def resolve_muse_config(raw: dict, source: str = "config.json") -> MuseGlimmerConfig:
-    model_type = raw.get("model_type")
-    archs = raw.get("architectures") or []
-    arch = archs[0] if archs else ("MuseGlimmerForConditionalGeneration" if model_type == "muse_glimmer"
-                                   else "MuseGlimmerTextModel")
+    model_type = get_str(raw, "model_type", source, default=None)
+    arch = architecture_of(raw, source) or ("MuseGlimmerForConditionalGeneration" if model_type == "muse_glimmer"
+                                            else "MuseGlimmerTextModel")
     if model_type not in MUSE_MODEL_TYPES:
         raise ConfigError(f"{source}: model_type = {model_type!r}, expected one of {MUSE_MODEL_TYPES}")
     composite = model_type == "muse_glimmer"
@@ -113,25 +113,24 @@ def resolve_muse_config(raw: dict, source: str = "config.json") -> MuseGlimmerCo
         if not isinstance(text, dict):
             raise ConfigError(f"{source}: model_type 'muse_glimmer' needs a text_config object, got {text!r}")
         where = f"{source} (text_config)"
-        tie = bool(raw.get("tie_word_embeddings", False))  # the composite class ignores the text key
     else:
         text, where = raw, source
-        tie = bool(raw.get("tie_word_embeddings", False))
+    tie = get_bool(raw, "tie_word_embeddings", source, default=False)  # the composite class ignores the text key
     for key in ("attention_bias", "mlp_bias"):
-        if text.get(key):
+        if get_bool(text, key, where, default=False):
             raise UnsupportedConfigError(f"{where}: {key} = true is not supported (no bias path)")
     for key in ("use_qk_norm", "use_attn_output_gate"):  # vLLM-only switches; HF hard-wires True
-        if text.get(key) is False:
+        if get_bool(text, key, where, default=True) is False:
             raise UnsupportedConfigError(f"{where}: {key} = false is not supported (always on in Muse-Glimmer)")
-    act = text.get("hidden_activation", text.get("hidden_act", "silu"))
+    act = get_str(text, "hidden_activation", where, default=None) or get_str(text, "hidden_act", where, default="silu")
     if act != "silu":
         raise UnsupportedConfigError(f"{where}: hidden_activation = {act!r}; only 'silu'")
     _refuse_rope_scaling(text, where)
-    nested = text.get("rope_parameters") or {}
+    nested = get_object(text, "rope_parameters", where)
     theta = text.get("rope_theta", nested.get("rope_theta"))
     theta = None if theta is None else check_float(theta, "rope_parameters.rope_theta", where, positive=True)
 
-    L = get_int(text, "num_hidden_layers", where, minimum=1)
+    L = get_int(text, "num_hidden_layers", where, minimum=1, maximum=MAX_LAYERS)
     H = get_int(text, "hidden_size", where, minimum=1)
     nh, nkv, hd = head_geometry(text, where, H)
     types, rope = _schedule(text, L, theta, where)
@@ -144,10 +143,8 @@ def resolve_muse_config(raw: dict, source: str = "config.json") -> MuseGlimmerCo
             f"{where}: qk_scale_factor = {qk}; expected 0 < value < sqrt(head_dim) = {math.sqrt(hd):.2f}. "
             f"A value near {3.87 * math.sqrt(hd):.2f} is the native unfolded scale (3.87 * sqrt(head_dim)); "
             "HF multiplies by the config value as is, so this checkpoint would attend wrongly")
-    window = text.get("sliding_window", 2048)
-    if SLIDING in types and (not isinstance(window, int) or window < 1):
-        raise ConfigError(f"{where}: sliding_window = {window!r}; expected a positive integer")
-    cap = text.get("final_logit_softcapping", 20.0)
+    window = get_int(text, "sliding_window", where, default=2048, minimum=1 if SLIDING in types else None)
+    cap = get_float(text, "final_logit_softcapping", where, default=20.0)
     return MuseGlimmerConfig(
         architecture=arch, model_type=model_type, hidden_size=H,
         intermediate_size=get_int(text, "intermediate_size", where, minimum=1), num_hidden_layers=L,
@@ -158,14 +155,14 @@ def resolve_muse_config(raw: dict, source: str = "config.json") -> MuseGlimmerCo
         rope_theta=theta if theta is not None else 0.0, layer_types=types, layer_rope=rope,
         sliding_window=int(window), qk_scale_factor=qk,
         output_multiplier=get_float(text, "output_multiplier", where, default=1.0),
-        final_logit_softcapping=float(cap) if cap is not None and float(cap) > 0 else None,
+        final_logit_softcapping=cap if cap > 0 else None,
         tie_word_embeddings=tie,
         max_position_embeddings=get_int(text, "max_position_embeddings", where, default=131072, minimum=1),
         weight_prefix=COMPOSITE_PREFIX if composite else "", head_in_file=composite,
-        image_token_id=raw.get("image_token_id") if composite else None,
-        video_token_id=raw.get("video_token_id") if composite else None,
+        image_token_id=get_int(raw, "image_token_id", source, default=None, minimum=0) if composite else None,
+        video_token_id=get_int(raw, "video_token_id", source, default=None, minimum=0) if composite else None,
         eos_token_id=token_ids(text.get("eos_token_id", raw.get("eos_token_id")), "eos_token_id", where),
-        bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")), source=source,
+        bos_token_id=bos_token_id(text, raw, where, source), source=source,
     )
 
 

@@ -20,6 +20,7 @@ from .config import (
     read_config_json,
     resolve_draft_config,
 )
+from .config_checks import architecture_of
 from .errors import CheckpointError
 from .families import target_family
 from .inventory import expected_draft_tensors
@@ -48,8 +49,8 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
     """Describe a target or draft directory. Raises the loader's typed errors on a broken one."""
     path = Path(path)
     config_path, raw = read_config_json(path)
-    archs = raw.get("architectures") or [None]
-    if archs[0] in DRAFT_ARCHITECTURES:
+    # the loaders' own typed reads: `architectures` of the wrong JSON type is a ConfigValueError
+    if architecture_of(raw, str(config_path)) in DRAFT_ARCHITECTURES:
         cfg = resolve_draft_config(raw, source=str(config_path))
         kind = cfg.kind
     else:
@@ -87,6 +88,10 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         files = {name: file_sha256(path / name) for name in names}
 
     extra = family.describe(cfg) if kind == "target" and family.describe else {}
+    if kind == "target":  # what the loaded weights hold at each --quantize (quant/formats.py)
+        from .quant.formats import resident_bytes
+
+        extra["resident_bytes"] = resident_bytes(tensors, ignored, bool(getattr(cfg, "tie_word_embeddings", False)))
     return {
         **extra,  # family facts (e.g. layer schedule, recurrent-state bytes per request)
         "path": str(path),
@@ -113,6 +118,8 @@ def format_inspect(report: dict) -> str:
         f"  inventory:  {'ok' if report['inventory_error'] is None else report['inventory_error']}",
     ]
     lines += [f"  {line}" for line in report.get("summary_lines", [])]  # family facts (schedule, state)
+    if report.get("resident_bytes"):
+        lines.append("  weights resident: " + ", ".join(f"{fmt} {human_bytes(b)}" for fmt, b in report["resident_bytes"].items()))
     ignored = report.get("ignored_tensors") or {}
     if ignored:
         reasons = {}

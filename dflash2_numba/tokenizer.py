@@ -24,22 +24,17 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .config_checks import get_bool
 from .errors import ChatTemplateError, ChatTemplateMissingError, CheckpointNotFoundError, ConfigError
+from .input_files import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, model_file, read_json_object, read_text_file
 
 
 def _read_json(path: Path) -> dict | None:
-    """Parsed JSON object, or None when the (optional) file is absent."""
-    if not path.is_file():
+    """Parsed JSON object, or None when the (optional) file is absent (a dangling symlink
+    counts as absent; a device or FIFO in its place is refused, not read)."""
+    if not path.exists():
         return None
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from e
-    except RecursionError as e:
-        raise ConfigError(f"{path}: JSON nested too deeply to parse (corrupt)") from e
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(obj).__name__}")
-    return obj
+    return read_json_object(path, MAX_CONFIG_BYTES, ConfigError)
 
 
 def _eos_ids(obj: dict | None, path: Path) -> tuple[int, ...]:
@@ -65,9 +60,9 @@ def _pick_template(value, path: Path) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        if "default" in named:
-            return named["default"]
+        named = [t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"]
+        if named and isinstance(named[0], str):
+            return named[0]
     raise ConfigError(f"{path}: chat_template must be a string or a list with a 'default' "
                       f"entry, got {type(value).__name__}")
 
@@ -123,30 +118,31 @@ class Tokenizer:
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(f"{model_dir}: model directory does not exist")
         tok_path = model_dir / "tokenizer.json"
-        if not tok_path.is_file():
+        if not tok_path.exists():
             raise CheckpointNotFoundError(f"{tok_path}: tokenizer.json not found in {model_dir}")
+        # read here (bounded, a regular file), parsed by `tokenizers` from the string
+        text = read_text_file(model_file(tok_path, "tokenizer.json"), MAX_TOKENIZER_BYTES, "", ConfigError)
         try:
-            hf = _HFTokenizer.from_file(str(tok_path))
+            hf = _HFTokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise ConfigError(f"{tok_path}: cannot load tokenizer ({e})") from e
         tc_path = model_dir / "tokenizer_config.json"
         tok_config = _read_json(tc_path) or {}
         # chat_template.jinja (what recent transformers save) wins over the JSON entry
         jinja_path = model_dir / "chat_template.jinja"
-        try:
-            template = (jinja_path.read_text(encoding="utf-8") if jinja_path.is_file()
-                        else _pick_template(tok_config.get("chat_template"), tc_path))
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{jinja_path}: cannot read the chat template ({e})") from e
+        has_jinja = jinja_path.exists()
+        template = (read_text_file(model_file(jinja_path, "chat_template.jinja"), MAX_CONFIG_BYTES, "",
+                                   ConfigError) if has_jinja
+                    else _pick_template(tok_config.get("chat_template"), tc_path))
         gen_path, cfg_path = model_dir / "generation_config.json", model_dir / "config.json"
         return cls(
             hf, model_dir=model_dir, chat_template=template,
             bos_token=_token_string(tok_config.get("bos_token")),
             eos_token=_token_string(tok_config.get("eos_token")),
-            add_bos_token=bool(tok_config.get("add_bos_token", False)),
+            add_bos_token=get_bool(tok_config, "add_bos_token", str(tc_path), default=False),  # "false" is truthy
             generation_eos_ids=_eos_ids(_read_json(gen_path), gen_path),
             config_eos_ids=_eos_ids(_read_json(cfg_path), cfg_path),
-            chat_template_source=(f"{jinja_path}" if jinja_path.is_file()
+            chat_template_source=(f"{jinja_path}" if has_jinja
                                   else f"{tc_path}: chat_template"),
         )
 

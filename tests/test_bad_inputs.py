@@ -1,6 +1,13 @@
 """Hostile inputs through the real CLI: every case is its own `python -m dflash2_numba ...`
 process and must end with exit code 2, EXACTLY one stderr line `error: Name: ...` that names
-the file / key / value, and an EMPTY stdout (nothing half-printed).
+the file / key / value, and an EMPTY stdout (nothing half-printed). The one exception is a
+destination that fails only when written (`--json /dev/full`): the text has been streamed by
+then, but the error is still the one and only stderr line, exit 2.
+
+Issue 18's cases (red before the fix: what they did then) are marked in the table; the classes
+they close are output paths / input files opened and bounded before any work
+(`cli_checks.open_output`, `input_files`), and inspect reading every config value through the
+loader's typed checks (the in-process sweep over every key is tests/test_config_type_sweep.py).
 
 The table is cheap by construction: the tiny checkpoints are written once per module, the
 numba cache is warmed in-process first (the non-finite-weight cases run one forward), and the
@@ -36,6 +43,8 @@ class Case:
     names: tuple = ()  # substrings the message must contain (file / key / value)
     make: object = None  # make(case_dir) -> None: writes the bad input into case_dir
     env: dict = field(default_factory=dict)
+    text_first: bool = False  # a destination that fails only when written: the text may be on stdout
+    stdout_to: str | None = None  # the process's stdout is this file (e.g. /dev/full), not a pipe
 
 
 # ---------------------------------------------------------------- bad-input builders
@@ -176,6 +185,57 @@ def _file(name: str, content: bytes | str, sparse: int = 0):
     return make
 
 
+def _model_file_is(name: str, kind: str):
+    """A copy of the good target whose `name` is `kind`: "zero" (a symlink to /dev/zero, which
+    never ends), "fifo" (nobody writes it: reading would block forever) or "huge" (a sparse file
+    larger than the read limit for its kind)."""
+    def make(x, good):
+        d = _copy_target(good, x / "m")
+        f = d / name
+        if f.exists():
+            f.unlink()
+        if kind == "zero":
+            f.symlink_to("/dev/zero")
+        elif kind == "fifo":
+            os.mkfifo(f)
+        else:
+            with open(f, "wb") as fh:
+                fh.truncate(300 * 2 ** 20)
+    return make
+
+
+def _fifo(name: str, feed: bool):
+    """A FIFO in the case dir; with `feed`, a `yes` writing into it forever (bounded by `timeout`,
+    and ended by SIGPIPE once the reader closes it)."""
+    def make(x, good):
+        os.mkfifo(x / name)
+        if feed:
+            subprocess.Popen(["timeout", "90", "sh", "-c", f"yes > '{x / name}'"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    return make
+
+
+def _sharded_outside(x, good):
+    """A checkpoint whose index names a shard outside its directory (`../`)."""
+    d = _copy_target(good, x / "m")
+    names = _tensor_names(_split(d / "model.safetensors")[1])
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "../elsewhere/model.safetensors" for n in names}}))
+    (x / "elsewhere").mkdir()
+    shutil.copy(d / "model.safetensors", x / "elsewhere" / "model.safetensors")
+
+
+def _qwen3_5_patch(patch: dict):
+    """A tiny Qwen3.5 hybrid (text layout) with config.json merged with `patch`."""
+    def make(x, good):
+        from dflash2_numba.tiny_hybrid import write_qwen3_5_target
+
+        d = write_qwen3_5_target(x / "m", layout="text", seed=1)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(tiny._merge(cfg, patch)))
+    return make
+
+
 def _corrupt_numba_cache(x, good):
     """NUMBA_CACHE_DIR (set for this case) holds a copy of the warm cache with one truncated file."""
     cache = x / "numba_cache"
@@ -188,6 +248,8 @@ def _corrupt_numba_cache(x, good):
 GEN = ["generate", "--target", "{T}", "--prompt-ids", "5,6,7", "--max-new-tokens", "3"]
 BADT = ["generate", "--target", "{X}/m", "--prompt-ids", "5,6,7", "--max-new-tokens", "3"]
 BADD = ["generate", "--target", "{T}", "--draft", "{X}/d", "--prompt-ids", "5,6,7", "--max-new-tokens", "3"]
+INSPECT = ["inspect", "{X}/m", "--no-hash"]
+PROPOSE = ["propose", "--target", "{T}", "--draft", "{D}", "--prompt-ids", "5,6"]
 D = tiny.DELETE
 
 CASES = [
@@ -322,6 +384,62 @@ CASES = [
     Case("propose-json-directory", ["propose", "--target", "{T}", "--draft", "{D}", "--prompt-ids", "5,6", "--json", "{X}"],
          "OutputPathError", ("--json", "directory")),
     Case("inspect-json-directory", ["inspect", "{T}", "--json", "{X}"], "OutputPathError", ("--json", "directory")),
+    # issue 18: os.access says yes to root, so these were only found when the JSON was written,
+    # after the text had streamed (stdout not empty): now the destination is created first
+    Case("json-under-proc", GEN + ["--json", "/proc/dflash2-out.json"], "OutputPathError", ("--json", "/proc/dflash2-out.json")),
+    Case("json-under-sys", GEN + ["--json", "/sys/kernel/dflash2-out.json"], "OutputPathError", ("/sys/kernel/dflash2-out.json",)),
+    Case("propose-json-under-proc", PROPOSE + ["--json", "/proc/dflash2-out.json"], "OutputPathError", ("/proc/dflash2-out.json",)),
+    Case("inspect-json-under-proc", ["inspect", "{T}", "--json", "/proc/dflash2-out.json"], "OutputPathError", ("/proc/dflash2-out.json",)),
+    # issue 18: was a hang (open() of a FIFO nobody reads blocks) until the case's time limit
+    Case("json-fifo-no-reader", GEN + ["--json", "{X}/out.fifo"], "OutputPathError", ("out.fifo", "FIFO"), _fifo("out.fifo", False)),
+    # fails only when written: the text is out, the error is the ONE stderr line (the stats block
+    # used to come first: two-plus lines)
+    Case("json-dev-full", GEN + ["--json", "/dev/full"], "OutputPathError", ("/dev/full", "No space left"), text_first=True),
+    Case("propose-json-dev-full", PROPOSE + ["--json", "/dev/full"], "OutputPathError", ("/dev/full",)),
+    Case("inspect-json-dev-full", ["inspect", "{T}", "--json", "/dev/full"], "OutputPathError", ("/dev/full",)),
+    # issue 18 (class): a stdout that refuses bytes was an OSError traceback
+    Case("stdout-dev-full", GEN, "OutputPathError", ("stdout", "No space left"), stdout_to="/dev/full"),
+    Case("inspect-stdout-dev-full", ["inspect", "{T}", "--no-hash"], "OutputPathError", ("stdout",), stdout_to="/dev/full"),
+    # ---------------------------------------------------------- input files that never end (issue 18)
+    # was a MemoryError traceback: Path.read_text of /dev/zero allocates until it fails
+    Case("prompt-file-dev-zero", ["generate", "--target", "{T}", "--prompt-file", "/dev/zero"], "ContextLengthError",
+         ("--prompt-file /dev/zero", str(16 * 2 ** 20), "character device")),
+    Case("prompt-file-fifo-forever", ["generate", "--target", "{T}", "--prompt-file", "{X}/p.fifo"], "ContextLengthError",
+         ("p.fifo", "FIFO"), _fifo("p.fifo", True)),
+    # model-directory files: a device or FIFO was "not found" (config.json, tokenizer.json) or
+    # silently ignored (tokenizer_config.json, chat_template.jinja: is_file() is False)
+    Case("config-json-dev-zero", BADT, "CheckpointNotFoundError", ("config.json", "character device"), _model_file_is("config.json", "zero")),
+    Case("config-json-fifo", BADT, "CheckpointNotFoundError", ("config.json", "FIFO"), _model_file_is("config.json", "fifo")),
+    Case("config-json-huge", BADT, "CorruptHeaderError", ("config.json", "bytes", "limit"), _model_file_is("config.json", "huge")),
+    Case("tokenizer-json-dev-zero", BADT, "CheckpointNotFoundError", ("tokenizer.json", "character device"), _model_file_is("tokenizer.json", "zero")),
+    Case("tokenizer-json-huge", BADT, "ConfigError", ("tokenizer.json", "limit"), _model_file_is("tokenizer.json", "huge")),
+    Case("tokenizer-config-fifo", BADT, "CheckpointNotFoundError", ("tokenizer_config.json", "FIFO"), _model_file_is("tokenizer_config.json", "fifo")),
+    Case("generation-config-dev-zero", BADT, "CheckpointNotFoundError", ("generation_config.json", "character device"),
+         _model_file_is("generation_config.json", "zero")),
+    Case("template-jinja-dev-zero", BADT, "CheckpointNotFoundError", ("chat_template.jinja", "character device"),
+         _model_file_is("chat_template.jinja", "zero")),
+    Case("inspect-config-dev-zero", INSPECT, "CheckpointNotFoundError", ("config.json", "character device"), _model_file_is("config.json", "zero")),
+    # a shard path outside the checkpoint directory was followed
+    Case("index-shard-outside", BADT, "CorruptHeaderError", ("model.safetensors.index.json", "../elsewhere"), _sharded_outside),
+    # ---------------------------------------------------------- inspect: the loader's typed reads (issue 18)
+    # were KeyError / TypeError tracebacks (inspect read architectures[0] untyped)
+    Case("inspect-arch-object", INSPECT, "ConfigValueError", ("config.json", "architectures = {}"), _config_patch({"architectures": {}})),
+    Case("inspect-arch-number", INSPECT, "ConfigValueError", ("config.json", "architectures = 5"), _config_patch({"architectures": 5})),
+    Case("inspect-arch-string", INSPECT, "ConfigValueError", ("architectures = 'Qwen3ForCausalLM'",),
+         _config_patch({"architectures": "Qwen3ForCausalLM"})),
+    # TypeError: unhashable type 'list' (the family matchers compared model_type against names)
+    Case("inspect-model-type-list", INSPECT, "UnknownArchitectureError", ("config.json", "Foo"),
+         _config_patch({"architectures": ["Foo"], "model_type": ["qwen3_5"]})),
+    Case("model-type-number", BADT, "ConfigValueError", ("model_type = 5",), _config_patch({"model_type": 5})),
+    # MemoryError after a minute: the inventory listed 10**30 layers of tensor names
+    Case("inspect-layers-huge", INSPECT, "ConfigValueError", ("num_hidden_layers", str(10 ** 30), "4096"),
+         _config_patch({"num_hidden_layers": 10 ** 30})),
+    # silently wrong before: bool("false") is True (a tied head / a BOS token nobody asked for)
+    Case("qwen3_5-tie-str", INSPECT, "ConfigValueError", ("tie_word_embeddings = 'false'",), _qwen3_5_patch({"tie_word_embeddings": "false"})),
+    Case("qwen3_5-model-type-list", INSPECT, "ConfigValueError", ("model_type = ['qwen3_5_text']",),
+         _qwen3_5_patch({"model_type": ["qwen3_5_text"]})),
+    Case("tokenizer-add-bos-str", ["generate", "--target", "{X}/m", "--prompt", "hi", "--max-new-tokens", "2"],
+         "ConfigValueError", ("tokenizer_config.json", "add_bos_token = 'false'"), _tok_config({"add_bos_token": "false"})),
     # ---------------------------------------------------------- draft config.json
     Case("draft-block-str", BADD, "ConfigValueError", ("config.json", "block_size = 'abc'",), _draft_patch({"dflash_config": {"block_size": "abc"}})),
     Case("draft-block-one", BADD, "ConfigValueError", ("block_size = 1",), _draft_patch({"dflash_config": {"block_size": 1}})),
@@ -394,12 +512,17 @@ def results(tmp_path_factory, request):
         paths = {"T": good, "D": draft, "X": x}
         env = {**os.environ, **{k: _fill(v, paths) for k, v in case.env.items()}}
         env.pop("_BAD_INPUTS_CACHE_SRC", None)
+        stdout = open(case.stdout_to, "w") if case.stdout_to else subprocess.PIPE
         try:
-            return subprocess.run([sys.executable, "-m", "dflash2_numba", *[_fill(a, paths) for a in case.args]],
-                                  cwd=REPO, capture_output=True, text=True, env=env, timeout=60,
-                                  preexec_fn=_limit_memory)
+            r = subprocess.run([sys.executable, "-m", "dflash2_numba", *[_fill(a, paths) for a in case.args]],
+                               cwd=REPO, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, timeout=60,
+                               preexec_fn=_limit_memory)
+            return subprocess.CompletedProcess(r.args, r.returncode, r.stdout or "", r.stderr)
         except subprocess.TimeoutExpired as e:  # reported by the case's own test
             return subprocess.CompletedProcess(e.cmd, None, e.stdout or "", f"timed out after 60 s\n{e.stderr or ''}")
+        finally:
+            if case.stdout_to:
+                stdout.close()
 
     cases = [c for c in CASES if c.id in selected]
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -418,7 +541,10 @@ def test_bad_input(results, case):
     r = results[case.id]
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
-    assert r.stdout == "", r.stdout[-500:]
+    if case.text_first:  # the generated text went out before the write failed
+        assert r.stdout.strip(), "expected the streamed text on stdout"
+    else:
+        assert r.stdout == "", r.stdout[-500:]
     assert len(lines) == 1, r.stderr[-2000:]
     assert lines[0].startswith(f"error: {case.error}: "), lines[0]
     for name in case.names:

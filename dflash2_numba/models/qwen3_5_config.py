@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from ..config import _rope_theta, human_bytes
 from ..inventory import ExpectedTensors
-from ..config_checks import check_float, get_float, get_int, head_geometry, token_ids
+from ..config_checks import (MAX_LAYERS, bos_token_id as _bos_token_id, check_float, get_bool, get_float, get_int,
+                             get_object, get_str, head_geometry, token_ids)
 from ..errors import ConfigError, UnknownArchitectureError, UnsupportedConfigError
 
 MULTIMODAL, TEXT = "qwen3_5", "qwen3_5_text"
@@ -45,6 +46,8 @@ def is_qwen3_5(raw: dict) -> bool:
     archs = raw.get("architectures") or [None]
     arch = archs[0] if isinstance(archs, list) and archs else None
     mt = raw.get("model_type")
+    if not isinstance(mt, str):  # a list is not hashable; the resolver names the wrong type
+        mt = None
     return mt in ARCHITECTURES or mt in REFUSED_MODEL_TYPES or (
         isinstance(arch, str) and arch.startswith(("Qwen3_5", "Qwen3Next")))
 
@@ -124,9 +127,7 @@ def _layer_types(text: dict, n_layers: int, source: str) -> tuple[str, ...]:
 def _rope(text: dict, source: str) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor). Only default RoPE; the multimodal `mrope_section` is
     accepted because text tokens carry equal T/H/W positions, which makes MRoPE 1-D RoPE."""
-    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"{source}: rope_parameters must be an object, got {type(params).__name__}")
+    params = get_object(text, "rope_parameters", source) or get_object(text, "rope_scaling", source)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in (None, "default"):
         raise UnsupportedConfigError(f"{source}: rope_parameters.rope_type = {kind!r} is not supported "
@@ -137,7 +138,7 @@ def _rope(text: dict, source: str) -> tuple[float, float]:
 
 
 def resolve_qwen3_5_config(raw: dict, source: str = "config.json") -> Qwen3_5Config:
-    mt = raw.get("model_type")
+    mt = get_str(raw, "model_type", source, default=None)
     if mt in REFUSED_MODEL_TYPES:
         raise UnsupportedConfigError(f"{source}: model_type = {mt!r} is {REFUSED_MODEL_TYPES[mt]}, not built "
                                      f"here; supported: {', '.join(ARCHITECTURES.values())}")
@@ -148,20 +149,20 @@ def resolve_qwen3_5_config(raw: dict, source: str = "config.json") -> Qwen3_5Con
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise ConfigError(f"{source}: model_type 'qwen3_5' needs a text_config object, got {text!r}")
-        tied = bool(raw.get("tie_word_embeddings", False))  # the top-level flag decides (HF 5.24)
+        tied = get_bool(raw, "tie_word_embeddings", source, default=False)  # the top-level flag decides (HF 5.24)
         where = f"{source} (text_config)"
     else:
-        text, tied, where = raw, bool(raw.get("tie_word_embeddings", False)), source
+        text, tied, where = raw, get_bool(raw, "tie_word_embeddings", source, default=False), source
     for key, name in (("num_experts", "a mixture-of-experts MLP"), ("moe_intermediate_size", "a MoE MLP")):
         if text.get(key):
             raise UnsupportedConfigError(f"{where}: {key} = {text[key]!r} ({name}) is not built here")
-    if text.get("attention_bias"):
+    if get_bool(text, "attention_bias", where, default=False):
         raise UnsupportedConfigError(f"{where}: attention_bias = true is not supported (no bias path)")
-    if text.get("hidden_act", "silu") != "silu":
+    if get_str(text, "hidden_act", where, default="silu") != "silu":
         raise UnsupportedConfigError(f"{where}: hidden_act = {text['hidden_act']!r}; only 'silu'")
     H = get_int(text, "hidden_size", where, minimum=1)
     nh, nkv, hd = head_geometry(text, where, H)
-    L = get_int(text, "num_hidden_layers", where, minimum=1)
+    L = get_int(text, "num_hidden_layers", where, minimum=1, maximum=MAX_LAYERS)
     theta, factor = _rope(text, where)
     cfg = Qwen3_5Config(
         architecture=ARCHITECTURES[mt], model_type=mt, hidden_size=H,
@@ -178,7 +179,7 @@ def resolve_qwen3_5_config(raw: dict, source: str = "config.json") -> Qwen3_5Con
         linear_num_key_heads=get_int(text, "linear_num_key_heads", where, default=16, minimum=1),
         linear_num_value_heads=get_int(text, "linear_num_value_heads", where, default=32, minimum=1),
         eos_token_id=token_ids(text.get("eos_token_id", raw.get("eos_token_id")), "eos_token_id", where),
-        bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")), source=source,
+        bos_token_id=_bos_token_id(text, raw, where, source), source=source,
     )
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
         raise ConfigError(f"{where}: linear_num_value_heads {cfg.linear_num_value_heads} is not a multiple of "
