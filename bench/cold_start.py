@@ -24,6 +24,7 @@ With NUMBA_DEBUG_CACHE / per-dispatcher numbers see `bench/compile_profile.py`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -89,6 +90,7 @@ def run_once(cmd: list[str], env: dict, cwd: Path) -> dict:
         "decode_tokens_per_s": float(tok.group(2)) if tok else None,
         "compile_s_reported": float(comp.group(1)) if comp else None,
         "stdout_chars": len(proc.stdout),
+        "stdout_sha256": hashlib.sha256(proc.stdout.encode()).hexdigest()[:16],  # same text before / after
         "stderr_tail": err.strip().splitlines()[-12:],
     }
 

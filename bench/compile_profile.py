@@ -1,4 +1,4 @@
-"""What a cold run compiles: every numba dispatcher, its signatures, and the seconds each took.
+"""What a cold run compiles: every numba dispatcher, its signatures, and the CPU seconds each took (process_time: steadier than wall time on a shared machine).
 
     python bench/compile_profile.py [-- dflash2-decode args ...]   (default: the README command)
 
@@ -38,13 +38,13 @@ class CompileListener(event.Listener):
         kernel = next((f[0] for f in reversed(self.stack) if not f[0].startswith("numba.")), None)
         if kernel and name.startswith("numba."):
             self.parents[name].add(kernel)
-        self.stack.append([name, time.perf_counter(), 0.0])
+        self.stack.append([name, time.process_time(), 0.0])
         self.dispatchers[name] = d
         self.sigs[name].append(", ".join(str(a) for a in ev.data["args"])[:160])
 
     def on_end(self, ev):
         name, t0, child = self.stack.pop()
-        dt = time.perf_counter() - t0
+        dt = time.process_time() - t0
         if self.stack:
             self.stack[-1][2] += dt
         if not any(frame[0] == name for frame in self.stack):  # recursion: count once
@@ -56,20 +56,20 @@ def main() -> None:
     args = sys.argv[1:] or ["generate", "--prompt", "def fibonacci(n):"]
     listener = CompileListener()
     event.register("numba:compile", listener)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     from dflash2_numba.cli import main as cli
 
     try:
         cli.main(args, standalone_mode=False)
     finally:
-        wall = time.perf_counter() - t0
+        wall = time.process_time() - t0
         total = sum(listener.excl.values())
         print(f"\n{'dispatcher':52s} {'sigs':>4s} {'excl s':>7s} {'incl s':>7s}", file=sys.stderr)
         for name in sorted(listener.excl, key=listener.excl.get, reverse=True):
             print(f"{name:52s} {len(listener.sigs[name]):4d} {listener.excl[name]:7.2f} "
                   f"{listener.incl[name]:7.2f}", file=sys.stderr)
         print(f"{'total compile':52s} {sum(map(len, listener.sigs.values())):4d} {total:7.2f}   "
-              f"(run {wall:.1f} s wall, cache {CACHE})", file=sys.stderr)
+              f"(run {wall:.1f} s CPU, cache {CACHE})", file=sys.stderr)
         for name, kernels in listener.parents.items():
             print(f"{name} <- {', '.join(sorted(kernels))}", file=sys.stderr)
         if os.environ.get("PROFILE_PASSES"):  # where a kernel's own seconds went

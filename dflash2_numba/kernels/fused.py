@@ -47,8 +47,7 @@ from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
 from .attention import TRANSPOSE_MIN_ROWS, _attention_par, _attention_ser
 from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
 from .linear import GEMV_MAX_ROWS
-from ..quant.weights import gemv_weights, in_features, panel_columns, weight_size
-from .panels import group_panels
+from .panels import PANEL_COLS, gemv_panels, group_panels
 from .rowwise import _rms_norm_rows, _rope_rows, _swiglu_rows
 
 NEVER = np.iinfo(np.int64).max  # par_min_macs with one thread: no product goes parallel
@@ -79,13 +78,52 @@ def _runtime_bool(typingctx, flag):
     return types.boolean(flag), codegen
 
 
+# The bf16-mode loops below are CALLED (plain @njit, compiled once in a bf16 variant), not
+# written into the inlined pieces: numba expands every inlined call before it prunes the dead
+# branches, so in an f32 variant each inlined copy of the rounding helpers was expanded for
+# nothing (~80 expansions a layer). A call or an inlined copy gives the same bits.
+@njit(nogil=True)
+def _round_in_place(x):
+    """x = rnd(x) elementwise; x C-contiguous, any rank."""
+    flat = x.reshape(x.size)
+    for i in range(flat.size):
+        flat[i] = round_bf16(flat[i])
+
+
+@njit(nogil=True)
+def _add_residual_bf16(h, y):
+    """h = rnd(h + y) in place; h, y [n, H]."""
+    for i in range(h.shape[0]):
+        for j in range(h.shape[1]):
+            h[i, j] = round_bf16(h[i, j] + y[i, j])
+
+
+@njit(nogil=True)
+def _conv_bf16(x, delta, base, out, group_size, block_len, and_arm):
+    """out [n, H] f32 = the bf16 kernel on x [n, H], delta [n, taps, G] (f32, rounded to bf16
+    bits here) and base [taps, H] (bf16 bits)."""
+    n, H = x.shape
+    xb = np.empty((n, H), np.uint16)  # the kernel takes all-bf16 bits in bf16 mode
+    for i in range(n):
+        for c in range(H):
+            xb[i, c] = f32_to_bf16(x[i, c])
+    db = np.empty(delta.shape, np.uint16)
+    for i in range(delta.shape[0]):
+        for t in range(delta.shape[1]):
+            for g in range(delta.shape[2]):
+                db[i, t, g] = f32_to_bf16(delta[i, t, g])
+    ob = np.empty((n, H), np.uint16)
+    _grouped_conv_bf16(xb, db, base, ob, group_size, block_len, and_arm)
+    for i in range(n):
+        for c in range(H):
+            out[i, c] = bf16_to_f32(ob[i, c])
+
+
 @njit(inline="always")
 def _rnd(x, bf16):
     """x = rnd(x) in place in bf16 mode (x C-contiguous, any rank); nothing in f32 mode."""
     if bf16:
-        flat = x.reshape(x.size)
-        for i in range(flat.size):
-            flat[i] = round_bf16(flat[i])
+        _round_in_place(x)
 
 
 @njit(inline="always")
@@ -93,12 +131,12 @@ def _linear(x, panels, N, par_min_macs, parallel, bf16):
     """rnd?(x @ w.T): x [M, K] f32, w [N, K] given as its panels [NP, K, 32] -> [M, N] f32,
     with the kernel ops.linear runs on a packed weight (kernels/panels.py). parallel: a
     compile-time constant; False = the parallel driver is never typed (a literal False argument
-    prunes gemv_weights' branch to it). Quantized panels (quant/weights.py) take the same call."""
+    prunes gemv_panels' branch to it)."""
     y = np.empty((x.shape[0], N), np.float32)  # [M, N]
     if parallel:
-        gemv_weights(x, panels, y, x.shape[0] * N * x.shape[1] >= par_min_macs)
+        gemv_panels(x, panels, y, x.shape[0] * N * x.shape[1] >= par_min_macs)
     else:
-        gemv_weights(x, panels, y, False)
+        gemv_panels(x, panels, y, False)
     _rnd(y, bf16)
     return y
 
@@ -114,35 +152,23 @@ def _rms(x, w, eps, bf16):
 @njit(inline="always")
 def _add_residual(h, y, bf16):
     """h = rnd?(h + y) in place; h, y [n, H]."""
+    if bf16:
+        _add_residual_bf16(h, y)
+        return
     for i in range(h.shape[0]):
         for j in range(h.shape[1]):
-            s = h[i, j] + y[i, j]
-            h[i, j] = round_bf16(s) if bf16 else s
+            h[i, j] = h[i, j] + y[i, j]
 
 
 @njit(inline="always")
 def _conv(x, delta, base, group_size, block_len, and_arm, bf16):
     """The grouped dynamic conv (spec §4.2) on x [n, H] with delta [n, taps, G] and base
     [taps, H] (f32, or bf16 bits in bf16 mode) -> [n, H] f32, as DFlash2Draft._conv."""
-    n, H = x.shape
-    out = np.empty((n, H), np.float32)
-    if not bf16:
+    out = np.empty(x.shape, np.float32)  # [n, H]
+    if bf16:
+        _conv_bf16(x, delta, base, out, group_size, block_len, and_arm)
+    else:
         _grouped_conv_f32(x, delta, base, out, group_size, block_len, and_arm)
-        return out
-    xb = np.empty((n, H), np.uint16)  # the kernel takes all-bf16 bits in bf16 mode
-    for i in range(n):
-        for c in range(H):
-            xb[i, c] = f32_to_bf16(x[i, c])
-    db = np.empty(delta.shape, np.uint16)
-    for i in range(delta.shape[0]):
-        for t in range(delta.shape[1]):
-            for g in range(delta.shape[2]):
-                db[i, t, g] = f32_to_bf16(delta[i, t, g])
-    ob = np.empty((n, H), np.uint16)
-    _grouped_conv_bf16(xb, db, base, ob, group_size, block_len, and_arm)
-    for i in range(n):
-        for c in range(H):
-            out[i, c] = bf16_to_f32(ob[i, c])
     return out
 
 
@@ -197,8 +223,8 @@ def _make_decoder_layer(bf16: bool, parallel: bool):
         att_proj, mlp_proj, att_base, mlp_base = conv
         nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, u_at = shape
         n, H = h.shape
-        inter = in_features(wd)  # I: the down projection's input features
-        has_conv = weight_size(att_proj) > 0
+        inter = wd.shape[1]  # I: the down projection's input features
+        has_conv = att_proj.size > 0
         if start + n > kbuf.shape[1] or start + n > vbuf.shape[1] or k_pos.shape[0] > kbuf.shape[1]:
             raise ValueError("decoder_layer: the K/V buffer has no room for the block (reserve first)")
 
@@ -206,7 +232,7 @@ def _make_decoder_layer(bf16: bool, parallel: bool):
         if has_conv:
             a, d_att = _conv_prepare(a, att_proj, att_base, taps, group_size, block_len, and_arm != 0,
                                      par_min_macs, parallel, bf16)
-        qkv = _linear(a, wqkv, panel_columns(wqkv), par_min_macs, parallel, bf16)  # [n, q | k | v padded]
+        qkv = _linear(a, wqkv, wqkv.shape[0] * PANEL_COLS, par_min_macs, parallel, bf16)  # [n, q | k | v padded]
         q = np.ascontiguousarray(qkv[:, :nh * hd]).reshape(n * nh, hd)  # [n*nh, hd]
         k = np.ascontiguousarray(qkv[:, k_at:k_at + nkv * hd]).reshape(n * nkv, hd)  # [n*nkv, hd]
         v = np.ascontiguousarray(qkv[:, v_at:v_at + nkv * hd]).reshape(n, nkv, hd)  # [n, nkv, hd]
@@ -230,7 +256,7 @@ def _make_decoder_layer(bf16: bool, parallel: bool):
         if has_conv:
             m, d_mlp = _conv_prepare(m, mlp_proj, mlp_base, taps, group_size, block_len, and_arm != 0,
                                      par_min_macs, parallel, bf16)
-        gu = _linear(m, wgu, panel_columns(wgu), par_min_macs, parallel, bf16)  # [n, gate | up padded]
+        gu = _linear(m, wgu, wgu.shape[0] * PANEL_COLS, par_min_macs, parallel, bf16)  # [n, gate | up padded]
         s = np.empty((n, inter), np.float32)  # [n, I]
         _swiglu_rows(np.ascontiguousarray(gu[:, :inter]), np.ascontiguousarray(gu[:, u_at:u_at + inter]),
                      _runtime_bool(bf16), s)
