@@ -1,6 +1,7 @@
-"""A function-preserving WIDENED copy of the embedded pair: the same trained models, K times wider.
+"""A function-preserving WIDENED (and DEEPENED) copy of the embedded pair: the same trained
+models, K times wider, the target D times deeper.
 
-    python bench/scaled_pair.py 8 [--out /tmp/pair-k8]      # writes OUT/{target,dflash2,dflash}
+    python bench/scaled_pair.py 8 [--deepen 4] [--out /tmp/pair-k8]   # writes OUT/{target,dflash2,dflash}
     python bench/acceptance.py --target OUT/target --dflash2 OUT/dflash2 --dflash OUT/dflash
 
 Why: the embedded target (8 MB of bf16) lives in the CPU caches, so a verify step is
@@ -21,7 +22,16 @@ How (every linear map W [out, in], y = x W^T):
 - DFlash2 conv groups: G' = K*G with group a*G + g a copy of group g, because the group size S
   is kept; the kernel projection's rows [2, taps, G] become [2, taps, K, G].
 Dividing bf16 weights by a power of two is exact, so the widened model differs from the
-original only by float summation order. The script checks that: logits, taps and one DFlash2
+original only by float summation order.
+
+Deepening (--deepen D, the target only): the trained draft is about half its target's size,
+where a published DFlash / DFlash2 draft is 5-13 %, so on the widened pair the draft's own cost
+caps the speedup. Deepening gives the target the cost of a D-times deeper model and keeps every
+token: after each original layer l come D-1 INERT copies of it whose output projections
+(o_proj, down_proj) are zero, so each adds exactly +0 to the residual (x + 0 == x in any float
+format) while costing a full layer's products and attention. Layer l moves to index l*D; the
+drafts' taps are re-pointed to l*D + D-1, the last layer of its group (the same hidden state),
+and their num_target_layers becomes D*L. The script checks that: logits, taps and one DFlash2
 proposal against the original.
 """
 
@@ -117,6 +127,46 @@ def widen_dir(src: Path, dst: Path, K: int, untie: bool = False) -> Path:
     return dst
 
 
+INERT = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # zeroed in the inert copies
+
+
+def deepen_target(dst: Path, D: int) -> None:
+    """Rewrite the target in `dst` D times deeper (module doc): layer l -> l*D, followed by D-1
+    copies whose INERT projections are zero."""
+    config = json.loads((dst / "config.json").read_text())
+    L = config["num_hidden_layers"]
+    ckpt = open_checkpoint(dst)
+    tensors = {}
+    for name in ckpt.names():
+        w = np.array(ckpt.get(name))
+        if not name.startswith("model.layers."):
+            tensors[name] = w
+            continue
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        for j in range(D):
+            inert = j > 0 and rest in INERT
+            tensors[f"model.layers.{int(layer) * D + j}.{rest}"] = np.zeros_like(w) if inert else w
+    del ckpt
+    config["num_hidden_layers"] = L * D
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = [t for t in config["layer_types"] for _ in range(D)]
+    if isinstance(config.get("max_window_layers"), int):
+        config["max_window_layers"] *= D
+    save_safetensors(dst / "model.safetensors", tensors)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def repoint_draft(dst: Path, D: int) -> None:
+    """A draft's taps after target layer l -> after layer l*D + D-1 of the deepened target."""
+    config = json.loads((dst / "config.json").read_text())
+    for holder in (config, config.get("dflash_config") or {}):
+        if "target_layer_ids" in holder:
+            holder["target_layer_ids"] = [l * D + D - 1 for l in holder["target_layer_ids"]]
+    if "num_target_layers" in config:
+        config["num_target_layers"] *= D
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def check(src: Path, dst: Path, K: int) -> dict:
     """Widened vs original on one prompt, as max|diff| / max|value| of the first copy: the target's
     last-row logits and taps, and each draft's final-normed block states; plus the DFlash2
@@ -154,19 +204,27 @@ def main(argv=None) -> int:
     ap.add_argument("K", type=int, help="widening factor (a power of two keeps bf16 exact)")
     ap.add_argument("--src", type=Path, default=ASSETS, help="directory holding target/, dflash2/, dflash/")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: a temp dir)")
+    ap.add_argument("--deepen", type=int, default=1, metavar="D",
+                    help="also make the target D times deeper with inert layers (default 1: not deepened)")
     args = ap.parse_args(argv)
-    K = args.K
+    K, D = args.K, args.deepen
     if K < 1:
         ap.error(f"K must be >= 1, got {K}")
+    if D < 1:
+        ap.error(f"--deepen must be >= 1, got {D}")
     if K & (K - 1):
         print(f"note: K={K} is not a power of two: weights / K round in bf16", file=sys.stderr)
     out = args.out or Path(tempfile.mkdtemp(prefix=f"dflash2-pair-k{K}-"))
     widen_dir(args.src / "target", out / "target", K, untie=True)
     for kind in ("dflash2", "dflash"):
         widen_dir(args.src / kind, out / kind, K)
+    if D > 1:
+        deepen_target(out / "target", D)
+        for kind in ("dflash2", "dflash"):
+            repoint_draft(out / kind, D)
     size = sum(f.stat().st_size for f in (out / "target").glob("*.safetensors"))
     report = check(args.src, out, K)
-    print(f"wrote {out} (target {size / 2**20:.1f} MiB of bf16)")
+    print(f"wrote {out} (target {size / 2**20:.1f} MiB of bf16, {D}x deeper)")
     rel = {k: v for k, v in report.items() if k != "proposal equal"}
     print("widened vs original (max|diff| / max|value|): "
           + ", ".join(f"{k} {v:.2e}" for k, v in rel.items())

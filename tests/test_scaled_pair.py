@@ -42,3 +42,19 @@ def test_linear_widening_preserves_the_product():
     taps = rng.standard_normal((3, 10)).astype(np.float32)
     y = bench.linear(wf, 4, in_blocks=3) @ np.tile(taps, (1, 4)).reshape(-1)  # each tap widened
     np.testing.assert_allclose(y, np.tile(wf @ taps.reshape(-1), 4), rtol=1e-5, atol=1e-5)
+
+
+def test_deepened_pair_is_bit_identical(tmp_path, one_thread):
+    """--deepen 3 (not widened): 12 target layers, 8 of them inert, taps re-pointed. Every value
+    the check compares is EXACTLY the original's (x + 0 == x; no summation order changes at
+    K = 1). Red on: an inert copy whose down_proj is kept (logits and later taps move), taps
+    not re-pointed (the draft reads layer 0 / 2 / 3 of the deep target: block states move)."""
+    bench = _load_bench()
+    assert bench.main(["1", "--deepen", "3", "--out", str(tmp_path)]) == 0
+    target = json.loads((tmp_path / "target" / "config.json").read_text())
+    draft = json.loads((tmp_path / "dflash2" / "config.json").read_text())
+    assert target["num_hidden_layers"] == 12 and len(target["layer_types"]) == 12
+    assert draft["dflash_config"]["target_layer_ids"] == [2, 8, 11] and draft["num_target_layers"] == 12
+    report = bench.check(bench.ASSETS, tmp_path, 1)
+    assert report["proposal equal"]
+    assert all(v == 0.0 for k, v in report.items() if k != "proposal equal"), report
