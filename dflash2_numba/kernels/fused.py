@@ -47,7 +47,8 @@ from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
 from .attention import TRANSPOSE_MIN_ROWS, _attention_par, _attention_ser
 from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
 from .linear import GEMV_MAX_ROWS
-from .panels import PANEL_COLS, gemv_panels, group_panels
+from ..quant.weights import gemv_weights, in_features, panel_columns, weight_size
+from .panels import group_panels
 from .rowwise import _rms_norm_rows, _rope_rows, _swiglu_rows
 
 NEVER = np.iinfo(np.int64).max  # par_min_macs with one thread: no product goes parallel
@@ -131,12 +132,12 @@ def _linear(x, panels, N, par_min_macs, parallel, bf16):
     """rnd?(x @ w.T): x [M, K] f32, w [N, K] given as its panels [NP, K, 32] -> [M, N] f32,
     with the kernel ops.linear runs on a packed weight (kernels/panels.py). parallel: a
     compile-time constant; False = the parallel driver is never typed (a literal False argument
-    prunes gemv_panels' branch to it)."""
+    prunes gemv_weights' branch to it). Quantized panels (quant/weights.py) take the same call."""
     y = np.empty((x.shape[0], N), np.float32)  # [M, N]
     if parallel:
-        gemv_panels(x, panels, y, x.shape[0] * N * x.shape[1] >= par_min_macs)
+        gemv_weights(x, panels, y, x.shape[0] * N * x.shape[1] >= par_min_macs)
     else:
-        gemv_panels(x, panels, y, False)
+        gemv_weights(x, panels, y, False)
     _rnd(y, bf16)
     return y
 
@@ -223,8 +224,8 @@ def _make_decoder_layer(bf16: bool, parallel: bool):
         att_proj, mlp_proj, att_base, mlp_base = conv
         nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, u_at = shape
         n, H = h.shape
-        inter = wd.shape[1]  # I: the down projection's input features
-        has_conv = att_proj.size > 0
+        inter = in_features(wd)  # I: the down projection's input features
+        has_conv = weight_size(att_proj) > 0
         if start + n > kbuf.shape[1] or start + n > vbuf.shape[1] or k_pos.shape[0] > kbuf.shape[1]:
             raise ValueError("decoder_layer: the K/V buffer has no room for the block (reserve first)")
 
@@ -232,7 +233,7 @@ def _make_decoder_layer(bf16: bool, parallel: bool):
         if has_conv:
             a, d_att = _conv_prepare(a, att_proj, att_base, taps, group_size, block_len, and_arm != 0,
                                      par_min_macs, parallel, bf16)
-        qkv = _linear(a, wqkv, wqkv.shape[0] * PANEL_COLS, par_min_macs, parallel, bf16)  # [n, q | k | v padded]
+        qkv = _linear(a, wqkv, panel_columns(wqkv), par_min_macs, parallel, bf16)  # [n, q | k | v padded]
         q = np.ascontiguousarray(qkv[:, :nh * hd]).reshape(n * nh, hd)  # [n*nh, hd]
         k = np.ascontiguousarray(qkv[:, k_at:k_at + nkv * hd]).reshape(n * nkv, hd)  # [n*nkv, hd]
         v = np.ascontiguousarray(qkv[:, v_at:v_at + nkv * hd]).reshape(n, nkv, hd)  # [n, nkv, hd]
@@ -256,7 +257,7 @@ def _make_decoder_layer(bf16: bool, parallel: bool):
         if has_conv:
             m, d_mlp = _conv_prepare(m, mlp_proj, mlp_base, taps, group_size, block_len, and_arm != 0,
                                      par_min_macs, parallel, bf16)
-        gu = _linear(m, wgu, wgu.shape[0] * PANEL_COLS, par_min_macs, parallel, bf16)  # [n, gate | up padded]
+        gu = _linear(m, wgu, panel_columns(wgu), par_min_macs, parallel, bf16)  # [n, gate | up padded]
         s = np.empty((n, inter), np.float32)  # [n, I]
         _swiglu_rows(np.ascontiguousarray(gu[:, :inter]), np.ascontiguousarray(gu[:, u_at:u_at + inter]),
                      _runtime_bool(bf16), s)
