@@ -94,11 +94,12 @@ def gemv_weights(x, w, y, parallel):  # pragma: no cover - typing stub, see the 
     raise NotImplementedError
 
 
-@overload(gemv_weights, inline="never")  # a call, not inlined: numba's inliner loses scope on nested inline lambdas
+@overload(gemv_weights, inline="never", prefer_literal=True)  # a call, not inlined: numba's inliner loses scope on nested inline lambdas
 def _gemv_weights(x, w, y, parallel):
     """y = x @ w.T for either kind of panels: bf16 [NP, K, 32] uint16 or quantized (qw, ws, cs).
     A literal False `parallel` (kernels/fused.py's one-thread variants) types the serial driver
-    only, so a one-thread run never compiles a parfor."""
+    only, so a one-thread run never compiles a parfor (prefer_literal: without it numba types
+    the call with a plain bool first, and the parallel driver compiled at one thread too)."""
     serial = isinstance(parallel, types.BooleanLiteral) and not parallel.literal_value
     if _is_quant(w):
         if serial:
