@@ -3,7 +3,11 @@ greedy, every configuration in ONE run on one loaded target.
 
     python bench/acceptance.py [--target DIR] [--dflash2 DIR] [--dflash DIR] [--prompts PATH]
         [--n-prompts 32] [--max-new-tokens 128] [--block-sizes 4,8] [--threads 1]
-        [--out bench/results/acceptance.json]
+        [--quantize bf16|q8_0|q4_0] [--out bench/results/acceptance.json]
+
+--quantize loads the pair in that weight format (both drafts follow the target's); the default
+--out then gets the format's suffix (acceptance_q8_0.json) and the settings name the
+instruction-set path of the integer kernels.
 
 Defaults: the pair shipped in dflash2_numba/assets/default/{target,dflash2,dflash} and the
 held-out prompts in bench/data/heldout_prompts.json (a list of strings, or of objects with
@@ -179,7 +183,8 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=1, help="numba threads (default 1)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--quantize", default="bf16", choices=["bf16", "q8_0", "q4_0"])
+    ap.add_argument("--out", type=Path, default=None)
     return ap.parse_args(argv)
 
 
@@ -202,10 +207,12 @@ def load_configs(args, target) -> list[tuple[str, str, int, object]]:
 def run(args) -> dict:
     import numba
 
+    from dflash2_numba.kernels import isa
+
     numba.set_num_threads(args.threads)
     threads = numba.get_num_threads()
     prompts = read_prompts(args.prompts, args.n_prompts)
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    target = load_target(args.target, device=args.device, dtype=args.dtype, quantize=args.quantize)
     configs = load_configs(args, target)
     prompt_ids = [target.tokenizer.encode_prompt(p["text"], chat=False) for p in prompts]
     print(f"target {args.target} | {len(prompts)} prompts from {args.prompts} | "
@@ -238,7 +245,8 @@ def run(args) -> dict:
                            "dflash": shown(args.dflash), "prompts": shown(args.prompts),
                            "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                            "block_sizes": args.block_sizes, "greedy": True,
-                           "device": args.device, "dtype": args.dtype},
+                           "device": args.device, "dtype": args.dtype, "quantize": args.quantize,
+                           "isa": isa.describe()},
               "prompts": [{"file": p["file"], "prompt_tokens": len(ids)}
                           for p, ids in zip(prompts, prompt_ids)],
               "configs": [a.to_dict(base) for a in aggs]}
@@ -269,6 +277,8 @@ def format_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.out is None:
+        args.out = DEFAULT_OUT if args.quantize == "bf16" else DEFAULT_OUT.with_name(f"acceptance_{args.quantize}.json")
     result = run(args)
     print(format_table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)

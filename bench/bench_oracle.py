@@ -2,7 +2,12 @@
 Qwen3 target, Q in {2, 4, 8, 16}, against autoregressive decoding, measured in one run.
 
     python bench/bench_oracle.py [--new-tokens 64] [--context 128] [--repeat 5] [--device cpu]
-                                 [--target DIR] [--threads N]
+                                 [--target DIR] [--threads N] [--quantize bf16|q8_0|q4_0]
+                                 [--verify-only] [--out bench/results/verify_cost.json]
+
+--quantize loads the target in that weight format (quant/); the instruction-set path the kernels
+compiled for (kernels/isa.py; DFLASH2_ISA=avx2 / generic forces a lower one) is printed and,
+with --out, written to the JSON beside the verify-cost table. --verify-only skips table 2.
 
 --target measures another target (e.g. the embedded default, dflash2_numba/assets/default/target)
 instead of the random ~100M one: the ceiling any draft can reach on that target and machine.
@@ -81,6 +86,25 @@ def forward_time(target, context_ids, rows, repeat) -> float:
     return best
 
 
+def cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor()
+
+
+def record(path: Path, row: dict) -> None:
+    """Append one run to a JSON list (bench/results/*.json)."""
+    import json
+
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows.append(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -90,6 +114,9 @@ def main(argv=None):
     ap.add_argument("--target", type=Path, default=None, help="target directory (default: the "
                     "random ~100M Qwen3, written once)")
     ap.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's own)")
+    ap.add_argument("--quantize", default="bf16", choices=["bf16", "q8_0", "q4_0"])
+    ap.add_argument("--verify-only", action="store_true", help="only the verify-cost table")
+    ap.add_argument("--out", type=Path, default=None, help="append the verify-cost row to this JSON list")
     args = ap.parse_args(argv)
     if args.threads is not None:
         from dflash2_numba.kernels.backend import set_threads
@@ -104,12 +131,15 @@ def main(argv=None):
         target.tokenizer = Tokenizer.from_dir(path)
         target.valid_vocab = min(target.tokenizer.vocab_size, target.config.vocab_size)
     else:
-        target = load_target(path, device=args.device)
+        target = load_target(path, device=args.device, quantize=args.quantize)
     prompt = np.random.default_rng(0).integers(0, target.valid_vocab, args.context).tolist()
     import numba
 
+    from dflash2_numba.kernels import isa
+
     print(f"target {path}: {n_params(target) / 1e6:.0f}M params, device {args.device}, "
-          f"context {args.context}, {args.new_tokens} new tokens, numba threads {numba.get_num_threads()}")
+          f"context {args.context}, {args.new_tokens} new tokens, numba threads {numba.get_num_threads()}, "
+          f"weights {args.quantize}, isa {isa.describe()}")
 
     # ---- warm-up: compile every kernel shape the runs below use
     generate(target, None, prompt_ids=prompt[:8], max_new_tokens=3)
@@ -126,6 +156,12 @@ def main(argv=None):
         tq = forward_time(target, prompt, Q, args.repeat)
         cost[Q] = tq / t1
         print(f"  {Q:>4}  {tq * 1e3:8.2f}  {cost[Q]:8.2f}  {Q / cost[Q]:14.2f}")
+    if args.out is not None:
+        record(args.out, {"quantize": args.quantize, "isa": isa.describe(), "cpu": cpu_model(),
+                          "threads": numba.get_num_threads(), "context": args.context, "one_row_ms": t1 * 1e3,
+                          "cost_x_one_row": {str(q): c for q, c in cost.items()}})
+    if args.verify_only:
+        return
 
     # ---- 2. decode throughput, oracle time excluded
     ar = generate(target, None, prompt_ids=prompt, max_new_tokens=args.new_tokens)

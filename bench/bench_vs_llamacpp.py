@@ -1,6 +1,6 @@
 """Greedy decode speed side by side, one run, same weights: this project vs llama.cpp vs transformers.
 
-    python bench/bench_vs_llamacpp.py [--rounds 5] [--tokens 128] [--threads 1,2] [--prompt-len 16]
+    python bench/bench_vs_llamacpp.py [--quantize bf16|q8_0|q4_0] [--rounds 5] [--tokens 128] [--threads 1,2] [--prompt-len 16]
         [--engines dflash2-numba,llama.cpp,transformers] [--check-tokens 32] [--bw-gib 1]
         [--cache-dir DIR] [--out bench/results/vs_llamacpp.json] [--llama-no-extra-bufts]
 
@@ -41,6 +41,15 @@ our f32 accumulation may part late on random weights: reported, not asserted; bu
 on this random model parts from any f32 engine after a few tokens; its same-model check is an
 extra untimed run of the checkpoint loaded in float32 (the first 4 tokens must agree, same exit).
 
+--quantize q8_0 / q4_0: this project loads the same safetensors with load-time quantization
+(quant/: llama.cpp's block math, every matrix and the head in that format), and llama.cpp runs a
+GGUF made by ITS OWN quantizer (llama_model_quantize) from the bf16 GGUF above, with the output
+tensor in the same format (output_tensor_type; llama.cpp would otherwise pick Q6_K for a q4_0
+head) so both read the same bytes per token. transformers is skipped (no q8_0 / q4_0 there).
+The default --out then gets the format's suffix (vs_llamacpp_q8_0.json), and the JSON records
+the instruction-set path the integer kernels compiled for (kernels/isa.py; DFLASH2_ISA=avx2
+forces a lower one).
+
 Writes bench/results/vs_llamacpp.json: machine (CPU model, avx2/avx512f/avx512_bf16/amx flags),
 versions, llama.cpp's system info, load average before/after (and per round), bandwidth, every
 round's numbers, medians, ratios, agreement and the reference tokens.
@@ -74,11 +83,16 @@ ROOT = HERE.parent
 ENGINES = ("dflash2-numba", "llama.cpp", "transformers")
 GGUF_LAYOUT = 1  # bump when write_gguf writes something different: cached GGUFs are rewritten
 MUST_AGREE = 4  # the first tokens that must agree with ours, else the GGUF (or the model) is wrong
+# llama.cpp's file type and ggml tensor type per format (llama.h LLAMA_FTYPE_MOSTLY_*, ggml.h GGML_TYPE_*)
+QUANT_TYPES = {"q8_0": (7, 8), "q4_0": (2, 2)}
+QUANT_TYPES_NAMES = tuple(QUANT_TYPES)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quantize", choices=("bf16",) + QUANT_TYPES_NAMES, default="bf16",
+                    help="weight format of both engines (see the docstring)")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per timed decode")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -91,10 +105,15 @@ def parse_args(argv=None):
                     help="llama.cpp: use_extra_bufts = false (no AMX / repacked weight buffers)")
     ap.add_argument("--cache-dir", type=Path,
                     default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash2_numba")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "vs_llamacpp.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default bench/results/vs_llamacpp.json (vs_llamacpp_<format>.json when quantized)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = HERE / "results" / ("vs_llamacpp.json" if args.quantize == "bf16" else f"vs_llamacpp_{args.quantize}.json")
     args.threads = [int(t) for t in args.threads.split(",") if t.strip()]
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.quantize != "bf16":  # transformers has no q8_0 / q4_0 of these weights
+        args.engines = [e for e in args.engines if e != "transformers"]
     unknown = sorted(set(args.engines) - set(ENGINES))
     if unknown or not args.threads or min(args.threads) < 1 or args.rounds < 1 or args.tokens < 1:
         ap.error(f"bad --engines {unknown} (known: {', '.join(ENGINES)}) / --threads / --rounds / --tokens")
@@ -211,16 +230,38 @@ def cached_gguf(src_dir: Path) -> Path:
     return out
 
 
-def weight_bytes_per_token(src_dir: Path) -> int:
-    """Bytes of weights every decoded token reads, at 2 bytes/param: every layer matrix and the
-    head (a tied head is the embedding; an untied model's embedding contributes one row)."""
+def quantized_gguf(src_dir: Path, fmt: str) -> Path:
+    """llama.cpp's own quantization of the bf16 GGUF (cached beside it, redone when older)."""
+    import llama_cpp
+
+    src = cached_gguf(src_dir)
+    out = src_dir / f"model-{fmt}.gguf"
+    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    print(f"quantizing {src.name} -> {out.name} with llama_model_quantize ...", file=sys.stderr, flush=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.output_tensor_type = QUANT_TYPES[fmt]
+    tmp = out.with_suffix(".tmp")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src}, {fmt}) returned {rc}")
+    tmp.replace(out)
+    return out
+
+
+def weight_bytes_per_token(src_dir: Path, fmt: str = "bf16") -> int:
+    """Bytes of weights every decoded token reads, at 2 bytes/param (q8_0: 34/32, q4_0: 18/32,
+    llama.cpp's block sizes): every layer matrix and the head (a tied head is the embedding; an
+    untied model's embedding contributes one row)."""
+    from dflash2_numba.quant.formats import BYTES_PER_WEIGHT
+
     cfg = load_target_config(src_dir)
     ck = open_checkpoint(src_dir)
     n = sum(int(np.prod(ck.info(k).shape)) for k in ck.names()
             if len(ck.info(k).shape) == 2 and k != "model.embed_tokens.weight")
     if cfg.tie_word_embeddings:
         n += int(np.prod(ck.info("model.embed_tokens.weight").shape))
-    return 2 * n
+    return int(BYTES_PER_WEIGHT[fmt] * n)
 
 
 # ---------------------------------------------------------------- engines
@@ -233,7 +274,7 @@ class NumbaEngine:
         from dflash2_numba.models.target import TargetModel
 
         self.numba = numba
-        self.target = TargetModel.load(src_dir, device="cpu")
+        self.target = TargetModel.load(src_dir, device="cpu", quantize=None if args.quantize == "bf16" else args.quantize)
 
     def set_threads(self, n: int) -> None:
         self.numba.set_num_threads(n)
@@ -251,7 +292,7 @@ class LlamaCppEngine:
 
         self.llama_cpp = llama_cpp
         t0 = time.perf_counter()
-        path = cached_gguf(src_dir)
+        path = cached_gguf(src_dir) if args.quantize == "bf16" else quantized_gguf(src_dir, args.quantize)
         self.gguf_s = time.perf_counter() - t0  # 0 unless written now
         n0 = args.threads[0]
         n_ctx = max(512, args.prompt_len + max(args.tokens, args.check_tokens) + 16)
@@ -376,6 +417,12 @@ def machine_facts() -> dict:
     return facts
 
 
+def isa_facts() -> dict:
+    from dflash2_numba.kernels import isa
+
+    return isa.describe()
+
+
 def versions() -> dict:
     from importlib import metadata
 
@@ -442,7 +489,7 @@ def main(args) -> int:
         engines.append(eng)
     names = [e.name for e in engines]
 
-    wbytes = weight_bytes_per_token(src)
+    wbytes = weight_bytes_per_token(src, args.quantize)
     print(f"measuring memory read bandwidth ({args.bw_gib:g} GiB array, threads {args.threads}) ...", file=sys.stderr)
     bw_before = read_bandwidth(args.threads, args.bw_gib)
 
@@ -516,7 +563,8 @@ def main(args) -> int:
                                   f"{b['prefix_agree']} of the first {MUST_AGREE}) -> the engines do not compute the "
                                   "same model")
     print()
-    print(f"model: random Qwen3 {SHAPE}, bf16 weights ({wbytes / 1e6:.1f} MB read per token); prompt "
+    print(f"isa path: {isa_facts()}")
+    print(f"model: random Qwen3 {SHAPE}, {args.quantize} weights ({wbytes / 1e6:.1f} MB read per token); prompt "
           f"{args.prompt_len} ids, {args.tokens} timed single-token steps, median of {args.rounds} alternating rounds")
     print(f"cpu: {machine_facts().get('cpu_model')}; load average {load_before[0]:.2f} -> {load_after[0]:.2f}; "
           f"numba threading layer {numba.threading_layer()}")
@@ -553,7 +601,7 @@ def main(args) -> int:
     doc = {
         "machine": machine_facts(), "versions": versions(),
         "llama_cpp_system_info": next((e.system_info for e in engines if e.name == "llama.cpp"), None),
-        "numba_threading_layer": numba.threading_layer(),
+        "numba_threading_layer": numba.threading_layer(), "quantize": args.quantize, "isa": isa_facts(),
         "settings": {"rounds": args.rounds, "tokens": args.tokens, "threads": args.threads, "prompt_ids": prompt,
                      "check_tokens": args.check_tokens, "pause_s": args.pause, "bw_gib": args.bw_gib,
                      "llama_no_extra_bufts": args.llama_no_extra_bufts, "model_shape": SHAPE, "model_dir": str(src),

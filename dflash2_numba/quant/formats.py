@@ -124,3 +124,32 @@ def pack(q: np.ndarray, d: np.ndarray, fmt: str, colsums: bool) -> tuple[np.ndar
         u = (quads.reshape(NP, nb, 8, PANEL_COLS, 4) + 8).astype(np.uint8)
         qw = np.ascontiguousarray(u[:, :, :4] | (u[:, :, 4:] << np.uint8(4))).reshape(NP, Kp // 2, PANEL_COLS)
     return qw, ws, cs
+
+
+# ------------------------------------------------------------------ memory estimates (inspect)
+def resident_bytes_per_weight(fmt: str, colsums: bool = True) -> float:
+    """Bytes a loaded matrix weight holds per parameter in this project's layouts: bf16 panels
+    2; q8_0 1 + an f32 scale (+ an int32 column sum on the VNNI paths) per 32; q4_0 1/2 + the same."""
+    if fmt == "bf16":
+        return 2.0
+    return (1.0 if fmt == "q8_0" else 0.5) + (4 + (4 if colsums else 0)) / BLOCK
+
+
+def resident_bytes(tensors: list[dict], ignored, tied: bool, embed: str = "model.embed_tokens.weight") -> dict:
+    """{format: bytes} a target's weights keep resident once loaded, from inspect's tensor list
+    ([{name, dtype, shape}]): every 2-D matrix in the format (the lm_head included), the untied
+    embedding not at all (rows are read from the memory-mapped file on demand), the rest
+    (norms, 1-D) as f32."""
+    out = {}
+    for fmt in ("bf16",) + FORMATS:
+        total = 0.0
+        for t in tensors:
+            if t["name"] in ignored:
+                continue
+            n = int(np.prod(t["shape"], dtype=np.int64))
+            if len(t["shape"]) != 2:
+                total += 4 * n
+            elif t["name"] != embed or tied:
+                total += resident_bytes_per_weight(fmt) * n
+        out[fmt] = int(total)
+    return out

@@ -38,6 +38,10 @@ class QuantizedWeight:
     ndim = 2
 
     @property
+    def size(self) -> int:  # elements of the [N, K] matrix it stands for
+        return self.shape[0] * self.shape[1]
+
+    @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.panels)
 
