@@ -231,9 +231,13 @@ _PATH_SCRIPT = textwrap.dedent("""
     bf = (w.view(np.uint32) >> 16).astype(np.uint16)
     x = rng.standard_normal((9, 96)).astype(np.float32)
     out = {"isa": isa.selected()}
-    arrays = {"bf16": linear(x, pack_bf16(bf))}
-    for fmt in ("q8_0", "q4_0"):
-        arrays[fmt] = linear(x, quantize_weight(w, fmt))
+    weights = {"bf16": pack_bf16(bf), "q8_0": quantize_weight(w, "q8_0"), "q4_0": quantize_weight(w, "q4_0")}
+    arrays = {k: linear(x, v) for k, v in weights.items()}
+    for k, v in weights.items():  # row-count invariance on this path: every row alone, and 2..8 rows
+        for r in range(9):
+            assert np.array_equal(linear(x[r:r + 1], v)[0], arrays[k][r]), (k, r)
+        for m in (2, 3, 5, 8):
+            assert np.array_equal(linear(x[:m], v), arrays[k][:m]), (k, m)
     np.savez(sys.argv[1], **arrays)
     print(out["isa"])
 """)
@@ -250,7 +254,8 @@ def _run_path(path, tmp_path):
 
 def test_every_path_gives_the_same_bits(tmp_path):
     """bf16 panels, q8_0 and q4_0 on each lower path (compiled for that instruction set) equal
-    this host's path bit for bit."""
+    this host's path bit for bit, and on every path each row of a 9-row product equals that row
+    alone (and 2, 3, 5, 8-row products their rows): the row-count invariance per path."""
     have = isa.selected()
     native_isa, native = _run_path(None, tmp_path)
     assert native_isa == have
