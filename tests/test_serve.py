@@ -24,11 +24,11 @@ pytest.importorskip("starlette", reason="dflash2-decode serve needs starlette (t
 pytest.importorskip("uvicorn", reason="dflash2-decode serve needs uvicorn (the 'serve' extra)")
 
 import dflash2_numba as dn  # noqa: E402
-from dflash2_numba.decode.loop import stream_generate  # noqa: E402
 from dflash2_numba.default import ASSET_DIR  # noqa: E402
 from dflash2_numba.kernels.backend import set_threads  # noqa: E402
 from dflash2_numba.serve.engine import Engine  # noqa: E402
 from dflash2_numba.serve.metrics import parse_metrics  # noqa: E402
+from dflash2_numba.serve.reference import solo_answer  # noqa: E402
 from dflash2_numba.serve.server import Server  # noqa: E402
 
 MODEL = "embedded"
@@ -106,29 +106,17 @@ def metrics(server) -> dict:
 
 # ---------------------------------------------------------------- solo references
 def solo(pair, prompt=None, messages=None, max_tokens=32, temperature=0.0, seed=None, block_size=None,
-         top_k=0, stop=None, **template_kw):
-    """(text, completion_tokens, finish_reason, steps' texts) as the server should answer: the
-    solo run, with the stop id's text dropped and the text cut before the first stop string."""
+         top_k=0, stop=(), **template_kw):
+    """(text, completion_tokens, finish_reason, steps' texts) the server should answer (serve/reference.py)."""
     target, draft = pair
     tok = target.tokenizer
     if messages is not None:
         ids = tok.encode(tok.apply_chat_template(messages, **template_kw), add_special_tokens=False)
     else:
         ids = tok.encode(prompt)
-    steps = list(stream_generate(target, draft, prompt_ids=ids, max_new_tokens=max_tokens, temperature=temperature,
-                                 seed=seed, block_size=block_size, top_k=top_k))
-    out = [t for s in steps for t in s.token_ids]
-    finish = steps[-1].finish_reason
-    if finish == "stop":
-        out = out[:-1]
-    text = tok.decode(out)
-    n_tokens = len(out) + (finish == "stop")
-    for s in stop or ():
-        if s in text:
-            cut = text.index(s) + len(s)
-            n_tokens = next(k for k in range(1, len(out) + 1) if len(tok.decode(out[:k])) >= cut)
-            text, finish = text[:text.index(s)], "stop"
-    return text, n_tokens, finish, [s.text for s in steps]
+    a = solo_answer(target, draft, ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                    block_size=block_size, top_k=top_k, stop=stop)
+    return a.text, a.completion_tokens, a.finish_reason, a.step_texts
 
 
 # ---------------------------------------------------------------- basics

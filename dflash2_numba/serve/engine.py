@@ -244,7 +244,9 @@ class Engine:
                 budget -= job.dec.prefilled - before
                 if first is not None:
                     self._emit(job, first)
-            except DFlashError as e:
+            except Exception as e:  # a refusal (NonFiniteLogitsError, ...) or a bug: end this request
+                if not isinstance(e, DFlashError):
+                    traceback.print_exc(file=sys.stderr)
                 self._retire_error(job, f"{type(e).__name__}: {e}", "refused")
         live = [j for j in batch if j.dec is not None and j.dec.prefill_left == 0 and not j.dec.finished
                 and j in self.running]
