@@ -33,12 +33,24 @@ def parallel_threshold(macs: int | None):
         linear_kernels.PARALLEL_MIN_MACS = saved
 
 
+def _warm_prompt_rows(prompt_ids) -> int:
+    """Rows of the warm-up prompt: the run's own prompt length when it is known and short (its
+    prefill takes the fused layer, like every later step: nothing else to compile), else
+    GEMV_MAX_ROWS + 1 rows, a prefill longer than the fused layer takes (the op-by-op graph, BLAS,
+    the blocked attention), as a long prompt's does. That longer prefill converts every weight
+    to f32 for BLAS: ~0.5 s a run on the embedded pair that a short prompt never needs."""
+    if prompt_ids is not None and 1 <= len(prompt_ids) <= GEMV_MAX_ROWS:
+        return len(prompt_ids)
+    return GEMV_MAX_ROWS + 1
+
+
 NOTICE = "compiling numba kernels (first run only: they are cached for later runs) ..."
 
 
 def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kwargs) -> float | None:
-    """Run the speculative path (and target-only too with `baseline` or no draft) on a 34-token
-    prompt for the prefill token plus one full Q-row step, with the same sampling settings.
+    """Run the speculative path (and target-only too with `baseline` or no draft) on a prompt as
+    long as the run's (`_warm_prompt_rows`) for the prefill token plus one full Q-row step, with
+    the same sampling settings.
     NOTICE goes to `notice` (default: stderr) first when the kernel cache is cold. Returns the
     seconds spent when kernels were compiled (CPU cache misses, or any CUDA run), else None."""
     from .loop import generate  # lazy: loop imports its neighbours
@@ -48,10 +60,8 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
     before, t0 = kernels_compiled(), time.perf_counter()
     vocab = max(1, min(target.valid_vocab, target.config.vocab_size))
     Q = generate_kwargs.get("block_size") or (draft.block_size if draft is not None else 1)
-    # GEMV_MAX_ROWS + 1 rows: a prefill longer than the fused layer takes (the op-by-op graph,
-    # BLAS, the blocked attention), as a real prompt's does; fewer if the model's positions end
     room = getattr(target.config, "max_position_embeddings", 1 << 30) - Q - 2
-    ids = [i % vocab for i in range(1, 2 + max(1, min(GEMV_MAX_ROWS + 1, room)))]
+    ids = [i % vocab for i in range(1, 1 + max(1, min(_warm_prompt_rows(generate_kwargs.get("prompt_ids")), room)))]
     kw = {k: v for k, v in generate_kwargs.items() if k not in ("prompt_ids", "max_new_tokens", "stop_token_ids")}
     kw.update(prompt_ids=ids, max_new_tokens=Q + 1)  # the prefill token, then one Q-row step
     # the parallel drivers run only above a size threshold that a short prompt never reaches (a
