@@ -203,10 +203,10 @@ def _linear_chunked(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def linear_quantized(x: np.ndarray, w: QuantizedWeight, y: np.ndarray) -> np.ndarray:
     """y [M, N] = x [M, K] @ w.T on the integer kernels (quant/kernels_int8.py), any M."""
-    qw, ws, cs = w.panels
-    xq, xs = quantize_rows_entry(x, ws.shape[1] * 32)
+    qw, ws = w.panels
+    xq, xs, xc = quantize_rows_entry(x, ws.shape[1] * 32)
     N = w.shape[0]
-    (_gemv_quant_par if use_parallel(x.shape[0] * N * x.shape[1]) else _gemv_quant_ser)(xq, xs, qw, ws, cs, y)
+    (_gemv_quant_par if use_parallel(x.shape[0] * N * x.shape[1]) else _gemv_quant_ser)(xq, xs, xc, qw, ws, y)
     return y
 
 

@@ -98,7 +98,7 @@ def group_panels(weights: list) -> tuple:
     each part in the grouped output). Each part keeps its padding to whole work items, so
     every weight's `.panels` is re-pointed to its slice of the group (a view: no extra memory)
     and a product over the group gives each output column the same fma chain as the weight
-    alone. Quantized weights (quant/weights.py: panels (qw, ws, cs)) group component-wise."""
+    alone. Quantized weights (quant/weights.py: panels (qw, ws)) group component-wise."""
     parts = [w.panels for w in weights]
     quant = isinstance(parts[0], tuple)
     first = [p[0] if isinstance(p, tuple) else p for p in parts]
@@ -106,7 +106,7 @@ def group_panels(weights: list) -> tuple:
            for p, f in zip(parts, first)):
         raise ValueError("group_panels: every weight must be packed alike and read the same input features")
     if quant:
-        group = tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(3))
+        group = tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(len(parts[0])))
     else:
         group = np.concatenate(parts, axis=0)  # [sum NP, K, 32]
     offsets, at = [], 0

@@ -2,7 +2,7 @@
 
     q, d = quantize_q8_0(w [N, K] f32)   # q [N, Kp] int8 in [-127, 127], d [N, Kp/32] float16
     q, d = quantize_q4_0(w [N, K] f32)   # q [N, Kp] int8 in [-8, 7],     d [N, Kp/32] float16
-    qw, ws, cs = pack(q, d, fmt, colsums)  # the panels the integer kernels read
+    qw, ws = pack(q, d, fmt, unsigned)     # the panels the integer kernels read
 
 Blocks of 32 along k (K padded with zeros to Kp, a multiple of 32: a zero block quantizes to
 d = 0, q = 0 and adds nothing). The math is ggml-quants.c's reference quantizers (and gguf-py's
@@ -18,13 +18,13 @@ Panel layout (kernels_int8.py reads it; N padded with zero columns to whole work
 ITEM_COLS like the bf16 panels):
     q8: qw [NP, Kp, 32] int8, bytes of panel p ordered [k-quad kq][column c][byte j]
         = w[32p + c, 4kq + j]: one 64-byte load is 16 columns x 4 k, the operand of one
-        vpdpbusd (the 4 products of a column land in that column's int32 lane).
+        vpdpbusd (the 4 products of a column land in that column's int32 lane). unsigned=True
+        (the VNNI paths) stores q + 128 as the byte (q ^ 0x80): vpdpbusd's unsigned operand.
     q4: qw [NP, Kp/2, 32] uint8, per 32-block [pair h < 4][column c][byte j]: low nibble =
         q + 8 of k-quad h, high nibble = of k-quad h + 4 (one load + and/shift gives two
         k-quads' int8 operands in registers).
     ws [NP, Kp/32, 32] f32: the block scales d per (panel, block, column).
-    cs [NP, Kp/32, 32] int32: 128 * sum of the block's q per column: the VNNI paths feed
-        activations + 128 as unsigned bytes and subtract this (exact); (0, 0, 0) otherwise.
+(q4 nibbles stay q + 8 on every path: the kernels add -8, or +120 on the VNNI paths, in registers.)
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def dequantize(q: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ panel layout
-def pack(q: np.ndarray, d: np.ndarray, fmt: str, colsums: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q [N, Kp] int8, d [N, nb] f16) -> (qw, ws, cs) in the layout of the module docstring."""
+def pack(q: np.ndarray, d: np.ndarray, fmt: str, unsigned: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(q [N, Kp] int8, d [N, nb] f16) -> (qw, ws) in the layout of the module docstring."""
     N, Kp = q.shape
     nb = Kp // BLOCK
     NP = -(-N // ITEM_COLS) * ITEM_PANELS
@@ -112,27 +112,25 @@ def pack(q: np.ndarray, d: np.ndarray, fmt: str, colsums: bool) -> tuple[np.ndar
     dp = np.zeros((NP * PANEL_COLS, nb), np.float32)
     dp[:N] = d
     ws = np.ascontiguousarray(dp.reshape(NP, PANEL_COLS, nb).transpose(0, 2, 1))  # [NP, nb, 32]
-    cs = np.zeros((0, 0, 0), np.int32)
-    if colsums:
-        sums = qp.reshape(NP, PANEL_COLS, nb, BLOCK).sum(axis=3, dtype=np.int32) * np.int32(128)
-        cs = np.ascontiguousarray(sums.transpose(0, 2, 1))  # [NP, nb, 32]
     # [NP, c, kq, j] -> [NP, kq, c, j]
     quads = qp.reshape(NP, PANEL_COLS, Kp // 4, 4).transpose(0, 2, 1, 3)
     if fmt == "q8_0":
         qw = np.ascontiguousarray(quads).reshape(NP, Kp, PANEL_COLS)
+        if unsigned:  # the byte q + 128 (mod 256 the same bits as q ^ 0x80)
+            qw ^= np.int8(-128)
     else:  # [NP, nb, 8 kq, c, j]: nibble pair (kq h, kq h + 4)
         u = (quads.reshape(NP, nb, 8, PANEL_COLS, 4) + 8).astype(np.uint8)
         qw = np.ascontiguousarray(u[:, :, :4] | (u[:, :, 4:] << np.uint8(4))).reshape(NP, Kp // 2, PANEL_COLS)
-    return qw, ws, cs
+    return qw, ws
 
 
 # ------------------------------------------------------------------ memory estimates (inspect)
-def resident_bytes_per_weight(fmt: str, colsums: bool = True) -> float:
+def resident_bytes_per_weight(fmt: str) -> float:
     """Bytes a loaded matrix weight holds per parameter in this project's layouts: bf16 panels
-    2; q8_0 1 + an f32 scale (+ an int32 column sum on the VNNI paths) per 32; q4_0 1/2 + the same."""
+    2; q8_0 1 + an f32 scale per 32; q4_0 1/2 + the same."""
     if fmt == "bf16":
         return 2.0
-    return (1.0 if fmt == "q8_0" else 0.5) + (4 + (4 if colsums else 0)) / BLOCK
+    return (1.0 if fmt == "q8_0" else 0.5) + 4 / BLOCK
 
 
 def resident_bytes(tensors: list[dict], ignored, tied: bool, embed: str = "model.embed_tokens.weight") -> dict:

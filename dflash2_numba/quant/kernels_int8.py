@@ -1,14 +1,18 @@
 """Integer GEMV on q8_0 / q4_0 panels (quant/formats.py), one micro-kernel per instruction set.
 
-    gemv_quant(x [M, K] f32, (qw, ws, cs), y [M, N] f32, parallel)    # y = x @ dequant(w).T
+    gemv_quant(x [M, K] f32, (qw, ws), y [M, N] f32, parallel)    # y = x @ dequant(w).T
 
 1. Activations are quantized per row and per 32-block by ONE function (`quantize_rows`, every
    row count and path calls it): llama.cpp's AVX quantize_row_q8_0, d = amax / 127 kept as
-   fp16, q = rint(x * (127 / amax)) (ties to even), |q| <= 127.
+   fp16, q = rint(x * (127 / amax)) (ties to even), |q| <= 127; plus xc = 128 * sum of the
+   block's q (int32), the VNNI paths' correction.
 2. Per (row r, column c, block b) the int32 block dot isum = sum_j xq[r, 32b + j] * wq[c, 32b + j],
    exact on every path (|isum| <= 32 * 127 * 127 < 2^24):
-     avx512_vnni  vpdpbusd zmm (16 columns x 4 k per instruction) on xq + 128 as unsigned bytes,
-                  minus cs = 128 * sum_j wq (precomputed at load: no per-k extra work);
+     avx512_vnni  vpdpbusd zmm (16 columns x 4 k per instruction). Its unsigned operand is the
+                  WEIGHT, stored at load as wq + 128 (formats.pack, unsigned=True), and the
+                  signed one the activation's 4 bytes, broadcast from memory (LLVM folds the
+                  broadcast into the instruction: {1to16}); the block sum then carries
+                  + 128 * sum_j xq, and subtracting xc makes it exact. No per-k extra work;
      avx_vnni     the same with ymm ({vex} vpdpbusd, or the EVEX form with AVX512-VL);
      avx2         llama.cpp's sign trick: |w| (unsigned) x sign(w)*x (signed) by vpmaddubsw,
                   whose int16 pair sums stay <= 2 * 127 * 127 (no saturation), then vpmaddwd by
@@ -40,7 +44,7 @@ from .formats import BLOCK, ITEM_COLS, ITEM_PANELS, PANEL_COLS
 
 MODES = {"avx512_vnni": "vnni512", "avx_vnni": "vnni256", "avx2": "avx2", "generic": "generic"}
 MODE = MODES[isa.selected()]
-VNNI = MODE.startswith("vnni")  # the paths that need the column sums cs
+VNNI = MODE.startswith("vnni")  # the paths that store weights + 128 and subtract xc
 V = 16 if MODE == "vnni512" else 8  # int32 lanes (columns) per vector
 GROUP_COLS = PANEL_COLS if MODE == "vnni512" else V  # columns per tile
 
@@ -60,12 +64,14 @@ def round_f16(v):
 
 @njit(inline="always")
 def quantize_rows(x, Kp):
-    """x [M, K] f32 -> (xq [M, Kp] int8, xs [M, Kp/32] f32): per row and 32-block (the last block
-    zero-padded) d = fp16(amax / 127), q = rint(x * (127 / amax)). The one activation quantizer."""
+    """x [M, K] f32 -> (xq [M, Kp] int8, xs [M, Kp/32] f32, xc [M, Kp/32] int32): per row and
+    32-block (the last block zero-padded) d = fp16(amax / 127), q = rint(x * (127 / amax)),
+    xc = 128 * sum of q. The one activation quantizer."""
     M, K = x.shape
     nb = Kp // BLOCK
     xq = np.zeros((M, Kp), np.int8)
     xs = np.empty((M, nb), np.float32)
+    xc = np.empty((M, nb), np.int32)
     for r in range(M):
         for b in range(nb):
             k0, k1 = b * BLOCK, min(K, (b + 1) * BLOCK)
@@ -74,34 +80,39 @@ def quantize_rows(x, Kp):
                 amax = max(amax, abs(x[r, k]))
             xs[r, b] = round_f16(amax / np.float32(127.0))
             inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
+            total = 0
             for k in range(k0, k1):
-                xq[r, k] = np.int8(np.rint(x[r, k] * inv))
-    return xq, xs
+                q = np.int8(np.rint(x[r, k] * inv))
+                xq[r, k] = q
+                total += np.int32(q)
+            xc[r, b] = np.int32(128) * np.int32(total)
+    return xq, xs, xc
 
 
 # ------------------------------------------------------------------ micro-kernel (LLVM IR)
 def _tile(R: int, G: int, fmt: str):
-    """An intrinsic tile(xq, xs, m0, qw, ws, cs, p, col0, y, ycol): rows m0..m0+R-1, columns
+    """An intrinsic tile(xq, xs, xc, m0, qw, ws, p, col0, y, ycol): rows m0..m0+R-1, columns
     col0 .. col0 + G*V - 1 of panel p -> y[m0 + r, ycol + col0 + j] (f32, the epilogue of the
-    module docstring). xq [M, Kp] int8, xs [M, nb] f32, qw / ws / cs the panels, y f32, all C."""
+    module docstring). xq [M, Kp] int8, xs [M, nb] f32, xc [M, nb] int32, qw / ws the panels,
+    y f32, all C."""
     q4 = fmt == "q4_0"
     steps = 4 if q4 else 8  # loads per 32-block and group: a q4 load holds two k-quads
 
     @intrinsic
-    def tile(typingctx, xq, xs, m0, qw, ws, cs, p, col0, y, ycol):
-        arrays = (xq, xs, qw, ws, cs, y)
+    def tile(typingctx, xq, xs, xc, m0, qw, ws, p, col0, y, ycol):
+        arrays = (xq, xs, xc, qw, ws, y)
         if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
             return None
-        if (xq.dtype, xs.dtype, qw.dtype, ws.dtype, cs.dtype, y.dtype) != (
-                types.int8, types.float32, types.uint8 if q4 else types.int8, types.float32, types.int32,
+        if (xq.dtype, xs.dtype, xc.dtype, qw.dtype, ws.dtype, y.dtype) != (
+                types.int8, types.float32, types.int32, types.uint8 if q4 else types.int8, types.float32,
                 types.float32):
             return None
-        sig = types.void(xq, xs, types.int64, qw, ws, cs, types.int64, types.int64, y, types.int64)
+        sig = types.void(xq, xs, xc, types.int64, qw, ws, types.int64, types.int64, y, types.int64)
 
         def codegen(context, builder, signature, args):
-            xqv, xsv, m0, qwv, wsv, csv, p, col0, yv, ycol = args
-            xa, xsa, qa, wa, ca, ya = [context.make_array(signature.args[i])(context, builder, args[i])
-                                       for i in (0, 1, 3, 4, 5, 8)]
+            m0, p, col0, ycol = args[3], args[6], args[7], args[9]
+            xa, xsa, xca, qa, wa, ya = [context.make_array(signature.args[i])(context, builder, args[i])
+                                        for i in (0, 1, 2, 4, 5, 8)]
             i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                       ir.FloatType())
             vb, vi, vf = ir.VectorType(i8, 4 * V), ir.VectorType(i32, V), ir.VectorType(f32, V)
@@ -123,11 +134,11 @@ def _tile(R: int, G: int, fmt: str):
             panel_bytes = builder.mul(Kp, const(PANEL_COLS // 2 if q4 else PANEL_COLS))
             w0 = builder.gep(builder.bitcast(qa.data, i8.as_pointer()),
                              [builder.add(builder.mul(p, panel_bytes), builder.mul(col0, const(4)))])
-            meta = builder.add(builder.mul(builder.mul(p, nb), const(PANEL_COLS)), col0)  # ws / cs [p, 0, col0]
+            meta = builder.add(builder.mul(builder.mul(p, nb), const(PANEL_COLS)), col0)  # ws [p, 0, col0]
             s0 = builder.gep(wa.data, [meta])
-            c0 = builder.gep(ca.data, [meta])
             x0 = builder.gep(xa.data, [builder.mul(m0, Kp)])  # &xq[m0, 0]
             xs0 = builder.gep(xsa.data, [builder.mul(m0, nb)])
+            xc0 = builder.gep(xca.data, [builder.mul(m0, nb)])
             y0 = builder.gep(ya.data, [builder.add(builder.mul(m0, ldy), builder.add(ycol, col0))])
             fma = fn(f"llvm.fma.v{V}f32", vf, [vf, vf, vf])
             zero_i, zero_f = ir.Constant(vi, [0] * V), ir.Constant(vf, [0.0] * V)
@@ -158,10 +169,9 @@ def _tile(R: int, G: int, fmt: str):
             def dot(acc, xword, wprep):
                 """acc += the 4-product sums of xword (4 activation bytes, every column) x w."""
                 w, aux = wprep
-                if VNNI:  # unsigned operand: x + 128 (xor of the sign bits); cs corrects it
-                    xb = builder.bitcast(splat(builder.xor(xword, ir.Constant(i32, -0x7F7F7F80)), vi), vb)
-                    return builder.call(dp, [acc, xb, w])
                 xb = builder.bitcast(splat(xword, vi), vb)
+                if VNNI:  # unsigned operand: the weights + 128; signed: x (xc corrects the + 128)
+                    return builder.call(dp, [acc, w, xb])
                 if MODE == "avx2":
                     sx = builder.call(psign, [xb, w])  # sign(w) * x, |x| <= 127
                     pairs = builder.call(maddubs, [aux, sx])  # |w| * sign(w) x, pairs <= 32258
@@ -179,7 +189,11 @@ def _tile(R: int, G: int, fmt: str):
             builder.position_at_end(loop)  # one 32-block: int32 dots, then the float epilogue
             b = builder.phi(i64)
             facc = [[builder.phi(vf) for _ in range(G)] for _ in range(R)]
-            iacc = [[zero_i] * G for _ in range(R)]
+            # integer partial sums per (row, group): CHAINS independent ones over the k-quads
+            # (kq % CHAINS), so small tiles are not bound by the dot's latency; integer addition
+            # is exact, so how the block's sum is split changes no bit
+            chains = max(1, 8 // (R * G))
+            iacc = [[[zero_i] * chains for _ in range(G)] for _ in range(R)]
             wblock = builder.gep(w0, [builder.mul(b, const(steps * PANEL_COLS * 4))])
             xblock = builder.mul(b, const(BLOCK))
             for step in range(steps):
@@ -187,10 +201,10 @@ def _tile(R: int, G: int, fmt: str):
                 for g in range(G):
                     ptr = builder.gep(wblock, [const(step * PANEL_COLS * 4 + g * V * 4)])
                     loads.append(builder.load(builder.bitcast(ptr, vb.as_pointer()), align=1))
-                if q4:  # low nibbles: k-quad `step`, high: `step + 4`; both - 8 -> int8
-                    eight, mask = ir.Constant(vb, [8] * 4 * V), ir.Constant(vb, [15] * 4 * V)
-                    quads = [(step, [builder.sub(builder.and_(w, mask), eight) for w in loads]),
-                             (step + 4, [builder.sub(builder.lshr(w, ir.Constant(vb, [4] * 4 * V)), eight)
+                if q4:  # low nibbles: k-quad `step`, high: `step + 4`; - 8 -> int8 (VNNI: + 120 -> q + 128)
+                    off, mask = ir.Constant(vb, [120 if VNNI else -8] * 4 * V), ir.Constant(vb, [15] * 4 * V)
+                    quads = [(step, [builder.add(builder.and_(w, mask), off) for w in loads]),
+                             (step + 4, [builder.add(builder.lshr(w, ir.Constant(vb, [4] * 4 * V)), off)
                                          for w in loads])]
                 else:
                     quads = [(step, loads)]
@@ -200,19 +214,22 @@ def _tile(R: int, G: int, fmt: str):
                         at = builder.add(builder.add(builder.mul(const(r), Kp), xblock), const(4 * kq))
                         xword = builder.load(builder.bitcast(builder.gep(x0, [at]), i32.as_pointer()), align=1)
                         for g in range(G):
-                            iacc[r][g] = dot(iacc[r][g], xword, prepped[g])
+                            iacc[r][g][kq % chains] = dot(iacc[r][g][kq % chains], xword, prepped[g])
             new = []
             for r in range(R):
                 xsr = builder.load(builder.gep(xs0, [builder.add(builder.mul(const(r), nb), b)]))
                 xsb = splat(xsr, vf)
+                if VNNI:
+                    xcb = splat(builder.load(builder.gep(xc0, [builder.add(builder.mul(const(r), nb), b)])), vi)
                 row = []
                 for g in range(G):
                     at = builder.add(builder.mul(b, const(PANEL_COLS)), const(g * V))
                     wsv_ = builder.load(builder.bitcast(builder.gep(s0, [at]), vf.as_pointer()), align=4)
-                    isum = iacc[r][g]
+                    isum = iacc[r][g][0]
+                    for part in iacc[r][g][1:]:
+                        isum = builder.add(isum, part)
                     if VNNI:
-                        csv_ = builder.load(builder.bitcast(builder.gep(c0, [at]), vi.as_pointer()), align=4)
-                        isum = builder.sub(isum, csv_)
+                        isum = builder.sub(isum, xcb)
                     scale = builder.fmul(wsv_, xsb)  # ws * xs: ONE rounding, the same on every path
                     row.append(builder.call(fma, [scale, builder.sitofp(isum, vf), facc[r][g]]))
                 new.append(row)
@@ -250,7 +267,7 @@ _q4_4, _q4_2, _q4_1 = _tiles["q4_0"]
 # ------------------------------------------------------------------ drivers
 def _make_item(t4, t2, t1):
     @njit(inline="always")
-    def item(xq, xs, qw, ws, cs, y, b):
+    def item(xq, xs, xc, qw, ws, y, b):
         """Output columns b*128 .. b*128+127 for every row; y [M, N]."""
         M = xq.shape[0]
         N = y.shape[1]
@@ -260,13 +277,13 @@ def _make_item(t4, t2, t1):
             for col0 in range(0, PANEL_COLS, GROUP_COLS):
                 m0 = 0
                 while M - m0 >= 4:
-                    t4(xq, xs, m0, qw, ws, cs, p, col0, scratch, pp * PANEL_COLS)
+                    t4(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
                     m0 += 4
                 if M - m0 >= 2:
-                    t2(xq, xs, m0, qw, ws, cs, p, col0, scratch, pp * PANEL_COLS)
+                    t2(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
                     m0 += 2
                 if M - m0 == 1:
-                    t1(xq, xs, m0, qw, ws, cs, p, col0, scratch, pp * PANEL_COLS)
+                    t1(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
         n0 = b * ITEM_COLS
         for r in range(M):
             for j in range(min(ITEM_COLS, N - n0)):
@@ -279,38 +296,38 @@ _item_q8 = _make_item(_q8_4, _q8_2, _q8_1)
 _item_q4 = _make_item(_q4_4, _q4_2, _q4_1)
 
 
-def _item(xq, xs, qw, ws, cs, y, b):  # pragma: no cover - typing stub, see the overload
+def _item(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the overload
     raise NotImplementedError
 
 
 @overload(_item, inline="always")
-def _item_impl(xq, xs, qw, ws, cs, y, b):
+def _item_impl(xq, xs, xc, qw, ws, y, b):
     """The format's item driver, chosen by the weight's dtype at compile time."""
     return (_item_q4 if qw.dtype == types.uint8 else _item_q8).py_func
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _gemv_quant_par(xq, xs, qw, ws, cs, y):
+def _gemv_quant_par(xq, xs, xc, qw, ws, y):
     for b in prange(qw.shape[0] // ITEM_PANELS):
-        _item(xq, xs, qw, ws, cs, y, b)
+        _item(xq, xs, xc, qw, ws, y, b)
 
 
 @njit(cache=True, nogil=True)
-def _gemv_quant_ser(xq, xs, qw, ws, cs, y):
+def _gemv_quant_ser(xq, xs, xc, qw, ws, y):
     for b in range(qw.shape[0] // ITEM_PANELS):
-        _item(xq, xs, qw, ws, cs, y, b)
+        _item(xq, xs, xc, qw, ws, y, b)
 
 
 @njit(inline="always")
 def gemv_quant(x, w, y, parallel):
-    """y [M, N] = x [M, K] @ dequant(w).T, w = (qw, ws, cs) panels; callable from numba code
+    """y [M, N] = x [M, K] @ dequant(w).T, w = (qw, ws) panels; callable from numba code
     (kernels/fused.py) and from Python (through kernels/linear.py)."""
-    qw, ws, cs = w
-    xq, xs = quantize_rows(x, ws.shape[1] * BLOCK)
+    qw, ws = w
+    xq, xs, xc = quantize_rows(x, ws.shape[1] * BLOCK)
     if parallel:
-        _gemv_quant_par(xq, xs, qw, ws, cs, y)
+        _gemv_quant_par(xq, xs, xc, qw, ws, y)
     else:
-        _gemv_quant_ser(xq, xs, qw, ws, cs, y)
+        _gemv_quant_ser(xq, xs, xc, qw, ws, y)
 
 
 @njit(cache=True, nogil=True)
@@ -320,7 +337,7 @@ def quantize_rows_entry(x, Kp):
 
 
 # ------------------------------------------------------------------ numpy int64 reference
-def quantize_rows_reference(x: np.ndarray, Kp: int) -> tuple[np.ndarray, np.ndarray]:
+def quantize_rows_reference(x: np.ndarray, Kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """numpy version of quantize_rows (independent code: fp16 rounding by numpy's cast)."""
     M, K = x.shape
     xp = np.zeros((M, Kp), np.float32)
@@ -331,7 +348,8 @@ def quantize_rows_reference(x: np.ndarray, Kp: int) -> tuple[np.ndarray, np.ndar
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     xq = np.rint(blocks * inv[:, :, None]).astype(np.int8).reshape(M, Kp)
     xs = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
-    return xq, xs
+    xc = 128 * xq.reshape(M, -1, BLOCK).astype(np.int32).sum(axis=2, dtype=np.int32)
+    return xq, xs, xc
 
 
 def block_dots_reference(xq: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -346,7 +364,7 @@ def gemv_quant_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndar
     """The kernels' result from (q [N, Kp] int8, d [N, nb] f16) by numpy: int64 block dots,
     then acc = fma(d * xs, isum, acc) over blocks in order (fma emulated in f64: the product
     of an f32 and an integer < 2^20 is exact, the sum is rounded once to f64 then to f32)."""
-    xq, xs = quantize_rows_reference(np.asarray(x, np.float32), q.shape[1])
+    xq, xs, _ = quantize_rows_reference(np.asarray(x, np.float32), q.shape[1])
     isum = block_dots_reference(xq, q)  # [M, N, nb]
     ds = d.astype(np.float32)  # [N, nb]
     acc = np.zeros((x.shape[0], q.shape[0]), np.float32)

@@ -1,7 +1,7 @@
 """Quantized weights as the models hold them, and the one GEMV dispatch the fused engine calls.
 
     w = quantize_weight(bf16 [N, K], "q8_0", name)   # QuantizedWeight: .shape, .panels, .nbytes
-    gemv_weights(x, w.panels, y, parallel)             # numba: bf16 panels or (qw, ws, cs)
+    gemv_weights(x, w.panels, y, parallel)             # numba: bf16 panels or (qw, ws)
 
 A QuantizedWeight REPLACES its source: it keeps no reference to the bf16 / f32 array, and the
 source's pages of a memory-mapped checkpoint are handed back to the kernel once quantized
@@ -25,14 +25,14 @@ from ..kernels.panels import PANEL_COLS, _gemv_panels_ser, gemv_panels
 from . import formats
 from .kernels_int8 import VNNI, _gemv_quant_ser, gemv_quant, quantize_rows
 
-CHUNK_ELEMS = 1 << 24  # weights quantized per numpy pass (64 MiB of f32 scratch)
+CHUNK_ELEMS = 1 << 20  # weights quantized per numpy pass (~30 MB of transient numpy scratch: peak RSS)
 PROGRESS_MIN_ELEMS = 1 << 26  # tensors from this size on get a progress line
 
 
 class QuantizedWeight:
     """A [N, K] weight in a llama.cpp block format, held only as integer panels (formats.py)."""
 
-    def __init__(self, fmt: str, shape: tuple[int, int], panels: tuple[np.ndarray, np.ndarray, np.ndarray]):
+    def __init__(self, fmt: str, shape: tuple[int, int], panels: tuple[np.ndarray, np.ndarray]):
         self.format, self.shape, self.panels = fmt, tuple(shape), panels
 
     ndim = 2
@@ -69,7 +69,7 @@ def quantize_weight(w: np.ndarray, fmt: str, name: str = "weight") -> QuantizedW
             print(f"\rquantizing {name} to {fmt}: {min(N, n0 + rows) * 100 // N}%", end="", file=sys.stderr)
     if loud:
         print(f" ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    panels = formats.pack(q, d, fmt, colsums=VNNI)
+    panels = formats.pack(q, d, fmt, unsigned=VNNI)
     release_pages(w)
     return QuantizedWeight(fmt, (N, K), panels)
 
@@ -91,7 +91,7 @@ def release_pages(a: np.ndarray) -> None:
 
 # ------------------------------------------------------------------ numba-side dispatch
 def _is_quant(w) -> bool:
-    return isinstance(w, types.BaseTuple) and len(w) == 3
+    return isinstance(w, types.BaseTuple) and len(w) == 2
 
 
 def gemv_weights(x, w, y, parallel):  # pragma: no cover - typing stub, see the overload
@@ -100,7 +100,7 @@ def gemv_weights(x, w, y, parallel):  # pragma: no cover - typing stub, see the 
 
 @overload(gemv_weights, inline="never", prefer_literal=True)  # a call, not inlined: numba's inliner loses scope on nested inline lambdas
 def _gemv_weights(x, w, y, parallel):
-    """y = x @ w.T for either kind of panels: bf16 [NP, K, 32] uint16 or quantized (qw, ws, cs).
+    """y = x @ w.T for either kind of panels: bf16 [NP, K, 32] uint16 or quantized (qw, ws).
     A literal False `parallel` (kernels/fused.py's one-thread variants) types the serial driver
     only, so a one-thread run never compiles a parfor (prefer_literal: without it numba types
     the call with a plain bool first, and the parallel driver compiled at one thread too)."""
@@ -108,9 +108,9 @@ def _gemv_weights(x, w, y, parallel):
     if _is_quant(w):
         if serial:
             def quant_serial(x, w, y, parallel):
-                qw, ws, cs = w
-                xq, xs = quantize_rows(x, ws.shape[1] * formats.BLOCK)
-                _gemv_quant_ser(xq, xs, qw, ws, cs, y)
+                qw, ws = w
+                xq, xs, xc = quantize_rows(x, ws.shape[1] * formats.BLOCK)
+                _gemv_quant_ser(xq, xs, xc, qw, ws, y)
             return quant_serial
         return lambda x, w, y, parallel: gemv_quant(x, w, y, parallel)
     if serial:
