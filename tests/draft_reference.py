@@ -12,9 +12,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-import dflash2_numba as dn
-from safetensors.torch import load_file
+pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the draft reference reads weights with it")
+
+import dflash2_numba as dn  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 
 def read_weights(model_dir) -> dict[str, np.ndarray]:

@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import torch
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the torch / HF reference checks need it")
+pytest.importorskip("transformers", reason="transformers (the [test] extra) is not installed: the HF reference checks need it")
 
 V, H, LAYERS = 256, 64, 5
 # G G A G A: attention in the middle and at the end, GDN first (taps cross both kinds)

@@ -418,7 +418,7 @@ def test_pairing_refusals_name_both_values(target_over, draft_over, needles):
 @pytest.fixture(scope="module")
 def hf_targets(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
-    import torch
+    torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: transformers' models need it")
 
     torch.manual_seed(0)
     small = dict(vocab_size=48, hidden_size=32, intermediate_size=40, num_hidden_layers=2,

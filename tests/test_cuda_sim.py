@@ -16,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numba import config, cuda
+from numba import config
+
+cuda = pytest.importorskip("numba.cuda", reason="numba.cuda is not importable: install numba-cuda (the [cuda] extra)")
 
 from dflash2_numba.errors import DeviceUnavailableError, KernelArgumentError, KernelDTypeError
 from dflash2_numba.kernels import conv, cuda_ops

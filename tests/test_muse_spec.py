@@ -15,7 +15,8 @@ from pathlib import Path
 import numba
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the torch / HF reference checks need it")
 
 import dflash2_numba as dn
 from dflash2_numba import tiny

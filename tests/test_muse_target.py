@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the torch / HF reference checks need it")
 from safetensors.numpy import load_file, save_file
 
 import dflash2_numba as dn
@@ -29,12 +30,13 @@ from dflash2_numba.families import target_family
 from dflash2_numba.inspect_model import format_inspect, inspect_model
 from dflash2_numba.models.muse_glimmer import MuseGlimmerTarget
 
+from hf_bf16_reference import hf_bf16_pinned
 from muse_fixtures import (CASES, H, IMAGE_ID, VIDEO_ID, hf_greedy, hf_logits_and_taps, hf_target, prompt,
                            read_config, write_muse_target)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 F32_TOL = 1e-4  # of max|logit| (max|tap| for taps)
-BF16_TOL = 2.0**-5  # bf16 run mode vs HF in bf16: 8 bf16 ulps of the largest logit
+BF16_TOL = 2.0**-6  # bf16 run mode vs pinned HF bf16, of max|logit|; measured 7.3e-3 (see the test)
 BLOCKS = (20, 1, 4, 16)  # prefill, then incremental blocks through the cache
 
 
@@ -76,17 +78,29 @@ def test_logits_and_taps_match_hf(dirs, case):
 
 
 def test_bf16_run_mode_close_to_hf_bf16(dirs):
-    """bf16 run mode vs HF computing in bfloat16 (SDPA, its default): within 8 bf16 ulps of
+    """bf16 run mode vs HF computing in bfloat16 (SDPA, its default) in a subprocess on PINNED CPU
+    paths (tests/hf_bf16_reference.py: ATen's scalar kernels, oneDNN off): within BF16_TOL of
     max|logit|, and closer to it than our f32 mode is (max and mean): the rounding points are
-    modelled, not just tolerated."""
+    modelled, not just tolerated.
+
+    Pinned, because HF bf16 itself moves with the host's instruction set: measured
+    (bench/hf_bf16_spread.py, bench/results/hf_bf16_spread.json) HF vs HF up to 1.82e-2 of
+    max|logit| across 10 CPU configurations, and ours 1.82e-2 from HF on AVX2 / AVX-512 paths but
+    7.3e-3 (mean|diff| 8e-5: a few elements one ulp apart) from the pinned one, also with numba and
+    numpy on their AVX2 paths. BF16_TOL = 2^-6 = 1.56e-2: 2.1x that. Mutations measured vs pinned
+    HF: attention output gate sigmoid unrounded 3.3e-2, attention probabilities unrounded 2.9e-2,
+    SwiGLU's SiLU output unrounded 3.1e-2: red. NOT caught: the rounding after the softcap's
+    z / cap removed (7.3e-3, mean 8.25e-5 vs 8.0e-5, 94.6% of logits bit-equal either way): at
+    this fixture's cap 20 the logits are < 0.06 of the cap, where tanh is ~identity, so the double
+    rounding almost never differs; only a bf16 case with a small cap (as "stress") would see it."""
     seq = prompt(sum(BLOCKS), seed=1)
-    hf = hf_target(dirs["bf16"], torch.bfloat16, attn="sdpa")
-    ref, _ = hf_logits_and_taps(hf, seq)
+    (res,), _ = hf_bf16_pinned([dict(kind="muse", dir=str(dirs["bf16"]), ids=seq)])
+    ref = res["logits"]
     errs = {}
     for mode in ("bf16", "f32"):
         logits, _ = run_blocks(MuseGlimmerTarget.load(dirs["bf16"], dtype=mode), seq, ())
         errs[mode] = (rel(logits, ref), float(np.mean(np.abs(logits - ref))))
-    print(f"vs HF bf16: bf16 mode {errs['bf16']}, f32 mode {errs['f32']} (max rel, mean abs)")
+    print(f"vs pinned HF bf16: bf16 mode {errs['bf16']}, f32 mode {errs['f32']} (max rel, mean abs)")
     assert errs["bf16"][0] < BF16_TOL
     assert errs["bf16"][0] < errs["f32"][0] and errs["bf16"][1] < errs["f32"][1]
 

@@ -17,7 +17,9 @@ import json
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the torch / HF reference checks need it")
+pytest.importorskip("transformers", reason="transformers (the [test] extra) is not installed: the HF reference checks need it")
 from safetensors.torch import load_file, save_file
 
 import dflash2_numba as dn

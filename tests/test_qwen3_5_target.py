@@ -7,13 +7,27 @@ weights, tied and untied heads. Run with -s for the measured differences.
 HF runs the whole sequence at once (its chunked delta rule); we run a 20-token prefill and then
 blocks of 1, 4 and 16 through the hybrid cache, so the conv window (K = 4) and the recurrent
 state are carried across calls.
+
+bf16 run mode is gated against HF bf16 run in a subprocess on PINNED CPU paths
+(tests/hf_bf16_reference.py: ATen's scalar kernels, oneDNN off), not the host's own torch: HF bf16
+moves with the instruction set by as much as our whole modelling error (bench/hf_bf16_spread.py,
+bench/results/hf_bf16_spread.json: text-tied-bf16 is 2.5e-2 of max|logit| from HF on AVX-512 and
+3.25e-2 from HF on AVX2, the 1.25 / 38.5 an AVX2 EPYC failed in issue 18; HF vs HF across the
+10 measured configurations up to 3.25e-2). Against the pinned paths our bf16 logits measure
+3.25e-3 (text-tied, mean|diff| 9.8e-4) and 0.0 (multimodal-untied: bit-identical), also with numba
+and numpy on their AVX2 paths. BF16_TOL = 2^-7 = 7.8e-3: 2.4x the worst measured, and below what
+one missing rounding point costs. Mutations measured vs pinned HF (text-tied / multimodal-untied),
+all red: SiLU output unrounded in the SwiGLU kernel 1.7e-1 / 3.0e-2; attention probabilities
+unrounded 1.8e-2 / 1.5e-2; attention output gate sigmoid unrounded 2.6e-2 / 1.5e-2; GDN beta
+unrounded 2.8e-2 / 9.7e-2; RMSNorm's normalised x unrounded before the weight 4.6e-2 / 9.5e-2.
 """
 
 import json
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the torch / HF reference checks need it")
 from safetensors.numpy import load_file, save_file
 
 from dflash2_numba.errors import (ConfigError, MissingTensorsError, TensorShapeError, UnexpectedTensorsError,
@@ -22,6 +36,7 @@ from dflash2_numba.families import target_family
 from dflash2_numba.models.qwen3_5 import Qwen3_5Model
 from dflash2_numba.models.qwen3_5_config import resolve_qwen3_5_config
 
+from hf_bf16_reference import hf_bf16_pinned
 from qwen3_5_fixtures import H, LAYERS, V, build_hf_qwen3_5, hf_forward, hf_greedy, load_hf
 
 torch.set_num_threads(1)
@@ -29,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT, BLOCKS = 20, (1, 4, 16)
 F32_TOL = 1e-4
-BF16_TOL = 2.0**-5  # as tests/test_target_hf.py: 8 bf16 ulps of the largest logit
+BF16_TOL = 2.0**-7  # of max|logit| vs pinned HF bf16; measured worst 3.25e-3 (see the module docstring)
 TAPS = (0, 2, LAYERS - 1)  # a GDN layer, an attention layer, the last (attention) layer
 
 CASES = {  # name: (multimodal layout, tied, weight dtype)
@@ -89,20 +104,32 @@ def test_f32_mode_matches_hf_float32(models, seq, case):
         assert tdiff <= F32_TOL * tscale, (l, tdiff)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][2] == torch.bfloat16])
-def test_bf16_mode_matches_hf_bfloat16(models, seq, case):
+BF16_CASES = [c for c in CASES if CASES[c][2] == torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(models, seq):
+    """HF bf16 logits of every bf16 case on the pinned CPU paths (one subprocess for the module)."""
+    results, _ = hf_bf16_pinned([dict(kind="qwen3_5", dir=str(models[c]), ids=seq) for c in BF16_CASES])
+    return {c: r["logits"] for c, r in zip(BF16_CASES, results)}
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_mode_matches_hf_bfloat16(models, seq, hf_bf16, case):
+    """max|ours - pinned HF bf16| <= BF16_TOL * max|logit| (module docstring), every activation
+    handed out a bf16 value, and closer to HF bf16 than our f32 mode on average."""
     d = models[case]
-    ref_logits, _ = hf_forward(load_hf(d, torch.bfloat16), seq)
+    ref_logits = hf_bf16[case]
     logits, taps = run_blocks(Qwen3_5Model.load(d, dtype="bf16"), seq, TAPS)
     scale = np.abs(ref_logits).max()
     diff = np.abs(logits - ref_logits).max()
-    report(case, "bf16 logits vs HF bf16", diff, scale)
+    report(case, "bf16 logits vs pinned HF bf16", diff, scale)
     assert diff <= BF16_TOL * scale
     # every activation handed out is a bf16 value
     assert not np.any(logits.view(np.uint32) & 0xFFFF) and not np.any(taps.view(np.uint32) & 0xFFFF)
     f32_logits, _ = run_blocks(Qwen3_5Model.load(d, dtype="f32"), seq, TAPS)
     f32_mean, mean = np.abs(f32_logits - ref_logits).mean(), np.abs(logits - ref_logits).mean()
-    print(f"  mean|diff| vs HF bf16: bf16 mode {mean:.3e}, f32 mode {f32_mean:.3e}")
+    print(f"  mean|diff| vs pinned HF bf16: bf16 mode {mean:.3e}, f32 mode {f32_mean:.3e}")
     assert mean < f32_mean  # the rounding points are modelled, not just tolerated
 
 

@@ -13,7 +13,9 @@ import math
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the torch / HF reference checks need it")
+pytest.importorskip("transformers", reason="transformers (the [test] extra) is not installed: the HF reference checks need it")
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 

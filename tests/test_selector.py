@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-import ml_dtypes
 import numpy as np
 import pytest
+
+ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes (the [test] extra) is not installed: the independent bf16 decoding needs it")
 
 from dflash2_numba.checkpoint import open_checkpoint
 from dflash2_numba.config import resolve_draft_config

@@ -5,13 +5,26 @@ weights, single-file and sharded safetensors. Run with -s to see the measured di
 
 Tolerances (measured, see the printed table):
 - f32 run mode vs HF float32 on the same weights: max|diff| <= 1e-4 * max|logit|.
-- bf16 run mode vs HF bfloat16 (SDPA, eager torch rounding at every op): BF16_TOL * max|logit|.
-  Norms, projections, RoPE, SiLU*up and residual adds are bit-exact with torch on equal inputs
-  (checked op by op while writing this); attention matches torch's bf16 SDPA on ~97% of
-  elements. Any 1-ulp difference then spreads through the next GEMM to a whole row, so after
-  3 layers most logits differ by an ulp or two: measured worst 1.2e-2 and 1.5e-2 of max|logit|
-  (3-4 bf16 ulps), bound 2^-5 (8 ulps). The sharper gate is relative: our bf16 mode must be
-  closer to HF bf16 than our f32 mode is (max and mean), i.e. the rounding points are modelled.
+- bf16 run mode vs HF bfloat16 (SDPA, eager torch rounding at every op): BF16_TOL * max|logit|,
+  against HF run in a subprocess on PINNED CPU paths (tests/hf_bf16_reference.py: ATen's scalar
+  kernels, `ATEN_CPU_CAPABILITY=default`, and oneDNN off), never against the host's own torch.
+  Why pinned: HF bf16's own logits move with the instruction set (ATen AVX2 vs AVX-512 kernels,
+  oneDNN's AMX / AVX-512-bf16 GEMMs vs ATen's): bench/hf_bf16_spread.py measured HF vs HF across
+  10 CPU configurations at up to 1.24e-2 (qwen3) and 1.52e-2 (llama) of max|logit|, as large as
+  our whole modelling error against any one of them (1.2e-2 / 1.7-1.9e-2), so a gate against the
+  host's torch measures the host (issue 18: an AVX2 EPYC failed a gate an AVX-512 box passed).
+  The pinned paths have no instruction-set dispatch left, and they are the ones our rounding
+  points model: measured (bench/results/hf_bf16_spread.json) our bf16 logits are BIT-IDENTICAL
+  to pinned HF on qwen3-tied-gqa4 (0.0) and 9.8e-3 of max|logit| off on llama (2.3 ulps of its
+  max logit; mean|diff| 7.9e-3 vs 2.6e-2 for our f32 mode), the same bits with numba and numpy
+  on their AVX2 paths. BF16_TOL = 2^-6 = 1.56e-2: 1.6x the worst measured. The layer-0 residual
+  (identical inputs) must be >= 95% bit-equal to pinned HF (measured 98.1% and 100%; it was
+  76-79% against the host's vectorised torch, hence the old 65%), and our bf16 mode closer to HF
+  bf16 than our f32 mode (max and mean).
+  Mutations (one rounding point removed, measured vs pinned HF): SiLU output unrounded in the
+  SwiGLU kernel -> qwen3 1.55e-2 with layer 0 60% bit-equal, llama 1.63e-2 / 61%: red (layer-0
+  gate; llama also the max); attention probabilities unrounded -> 1.79e-2 / 1.87e-2, layer 0
+  38% / 47% bit-equal: red; residual add unrounded in the fused layer -> 1.70e-2 / 2.07e-2: red.
 """
 
 import json
@@ -19,7 +32,9 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the torch / HF reference checks need it")
+pytest.importorskip("transformers", reason="transformers (the [test] extra) is not installed: the HF reference checks need it")
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -33,12 +48,15 @@ from dflash2_numba.errors import (
 from dflash2_numba.kernels.backend import get_ops
 from dflash2_numba.models.target import TargetModel
 
+from hf_bf16_reference import hf_bf16_pinned
+
 torch.set_num_threads(1)  # tiny models: threads only add fork/join stalls on shared cores
 
 V, H, LAYERS, PROMPT = 300, 64, 3, 20
 BLOCKS = (1, 4, 16)  # incremental blocks after the 20-token prefill
 F32_TOL = 1e-4
-BF16_TOL = 2.0**-5  # 8 bf16 ulps of the largest logit; measured worst 3-4 (see docstring)
+BF16_TOL = 2.0**-6  # of max|logit| vs pinned HF bf16; measured worst 9.8e-3 (see docstring)
+LAYER0_BIT_EQUAL = 0.95  # measured 98.1% / 100% vs pinned HF bf16
 TAPS = (0, 1, LAYERS - 1)
 
 CASES = {
@@ -154,29 +172,39 @@ def test_f32_mode_matches_hf_float32(models, seq, case):
            max(np.abs(t).max() for t in ref_taps.values()))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][3] == torch.bfloat16])
-def test_bf16_mode_matches_hf_bfloat16(models, seq, case):
+BF16_CASES = [c for c in CASES if CASES[c][3] == torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(models, seq):
+    """HF bf16 logits and layer-0 residual of every bf16 case, on the pinned CPU paths (one
+    subprocess for the module: tests/hf_bf16_reference.py)."""
+    results, _ = hf_bf16_pinned([dict(kind="qwen3", dir=str(models[c]), ids=seq, taps=[0]) for c in BF16_CASES])
+    return dict(zip(BF16_CASES, results))
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_mode_matches_hf_bfloat16(models, seq, hf_bf16, case):
     d = models[case]
     target = TargetModel.load(d, device="cpu", dtype="bf16")
-    ref_logits, ref_taps = hf_forward(load_hf(d, torch.bfloat16), seq, TAPS)
+    ref_logits, ref_tap0 = hf_bf16[case]["logits"], hf_bf16[case]["taps"][0]
     logits, taps = run_blocks(target, seq, TAPS)
     scale = np.abs(ref_logits).max()
     diff = np.abs(logits - ref_logits).max()
-    report(case, "bf16 logits vs HF bf16", diff, scale)
+    report(case, "bf16 logits vs pinned HF bf16", diff, scale)
     assert diff <= BF16_TOL * scale
-    # layer 0 sees identical inputs, so most of its output must be bit-equal to torch's:
-    # measured 76-79% (norms, GEMMs, RoPE, SiLU*up bit-exact; SDPA-style bf16 probabilities);
-    # 39-47% when the attention probabilities are not rounded like SDPA does.
-    eq0 = np.mean(taps[:, :H] == ref_taps[0])
-    print(f"  layer-0 residual bit-equal to HF bf16: {eq0:.1%}")
-    assert eq0 >= 0.65
+    # layer 0 sees identical inputs, so its output must be (almost) bit-equal to pinned torch's:
+    # measured 98.1% / 100% (76-79% against the host's vectorised torch kernels)
+    eq0 = np.mean(taps[:, :H] == ref_tap0)
+    print(f"  layer-0 residual bit-equal to pinned HF bf16: {eq0:.1%}")
+    assert eq0 >= LAYER0_BIT_EQUAL
     # our bf16 mode really rounds: every activation we hand out is a bf16 value
     assert np.array_equal(logits.view(np.uint32) & 0xFFFF, np.zeros_like(logits, dtype=np.uint32))
     assert np.array_equal(taps.view(np.uint32) & 0xFFFF, np.zeros_like(taps, dtype=np.uint32))
     # ...and is closer to HF bf16 than our f32 mode is (rounding matters and is modelled)
     f32_logits, _ = run_blocks(TargetModel.load(d, dtype="f32"), seq, TAPS)
     f32_diff = np.abs(f32_logits - ref_logits).max()
-    report(case, "(f32 mode vs HF bf16, for contrast)", f32_diff, scale)
+    report(case, "(f32 mode vs pinned HF bf16, contrast)", f32_diff, scale)
     mean, f32_mean = np.abs(logits - ref_logits).mean(), np.abs(f32_logits - ref_logits).mean()
     print(f"  mean|diff|: bf16 mode {mean:.3e}, f32 mode {f32_mean:.3e}")
     assert diff < f32_diff and mean < f32_mean

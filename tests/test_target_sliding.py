@@ -9,7 +9,9 @@ the prompt, so every sliding layer really drops keys.
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the torch / HF reference checks need it")
+pytest.importorskip("transformers", reason="transformers (the [test] extra) is not installed: the HF reference checks need it")
 from test_target_hf import H, LAYERS, PROMPT, TAPS, build_hf_model, greedy, hf_forward, hf_greedy, load_hf, run_blocks
 from transformers import Qwen3Config
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
-import torch
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the torch / HF reference checks need it")
 from safetensors import safe_open
 
 from dflash2_numba import tiny

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch (the [train] / [test] extra) is not installed")
+pytest.importorskip("transformers", reason="transformers (the [train] / [test] extra) is not installed")
 
 from training import corpus  # noqa: E402
 from training.draft_model import (DFlashDraft, DraftSpec, candidate_values, dynamic_conv,  # noqa: E402
