@@ -122,3 +122,30 @@ def test_stacked_context_updates_bits_equal_one_at_a_time(pair):
         assert a.length == b.length
         np.testing.assert_array_equal(a.k[:, :, :a.length], b.k[:, :, :b.length])
         np.testing.assert_array_equal(a.v[:, :, :a.length], b.v[:, :, :b.length])
+
+
+def test_a_hybrid_target_runs_per_request_in_the_same_step(tmp_path):
+    """Qwen3.5 (Gated DeltaNet + attention) does not stack its verify rows: step_batch runs its
+    forward request by request, and the outputs are still each request's solo run."""
+    from dflash2_numba import tiny
+    from dflash2_numba.tiny_hybrid import write_qwen3_5_target
+
+    tdir = write_qwen3_5_target(tmp_path / "t", layout="text", seed=2)
+    target = dn.load_target(tdir)
+    draft = dn.load_draft(tiny.write_draft(tmp_path / "d", tdir, kind="dflash2", block_size=4, seed=3), target)
+    assert not batched.batches_target(target)
+    reqs = [([5, 9, 2, 7], 12, 4, 0.0, None), ([3, 3, 8], 9, 3, 0.9, 4), ([11, 1], 7, 2, 0.0, None)]
+    want = [dn.generate(target, draft, prompt_ids=p, max_new_tokens=n, block_size=Q, temperature=t, seed=s).output_ids
+            for p, n, Q, t, s in reqs]
+    decs = [Decoding(target, draft, p, n, Q, SamplingParams(t, 0, 1.0, s), ()) for p, n, Q, t, s in reqs]
+    out = [[] for _ in decs]
+    for i, d in enumerate(decs):
+        step = None
+        while step is None:
+            step = d.prefill_step()
+        out[i] += step.token_ids
+    while not all(d.finished for d in decs):
+        live = [i for i, d in enumerate(decs) if not d.finished]
+        for i, step in zip(live, batched.step_batch(target, draft, [decs[i] for i in live])):
+            out[i] += step.token_ids
+    assert out == want
