@@ -307,3 +307,36 @@ def test_queue_full_is_429_and_a_disconnect_frees_the_slot(one_slot):
     m = metrics(one_slot)
     assert m["requests_cancelled_total"] == 1 and m['requests_rejected_total{reason="queue_full"}'] == 1
     assert c.completions.create(model=MODEL, prompt="hi", max_tokens=3).choices[0].finish_reason == "length"
+
+
+def test_health_is_503_while_loading_and_a_failed_load_stops_the_server(model_dir):
+    import threading
+
+    from dflash2_numba.errors import GenerationArgumentError
+
+    release = threading.Event()
+
+    def slow_load():
+        assert release.wait(WAIT_S)
+        set_threads(1)
+        return _load(model_dir)
+
+    s = Server(Engine(slow_load, warm=False), MODEL, port=0).start_in_thread()
+    try:
+        wait_until(lambda: httpx.get(s.url + "/health").status_code == 503, "the server to answer")
+        assert httpx.get(s.url + "/health").json() == {"status": "loading"}
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=WAIT_S)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+        release.set()
+        wait_until(lambda: httpx.get(s.url + "/health").status_code == 200, "the load to finish")
+    finally:
+        release.set()
+        s.shutdown()
+        s.join(WAIT_S)
+
+    def bad_load():
+        raise GenerationArgumentError("no such model")
+
+    s = Server(Engine(bad_load), MODEL, port=0).start_in_thread()
+    s.join(WAIT_S)
+    assert not s.thread.is_alive() and isinstance(s.engine.load_error, GenerationArgumentError)
