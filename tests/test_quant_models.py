@@ -94,3 +94,25 @@ def test_speculative_sampling_matches_exact_distribution(pair):
     exact = exact_sequence_probs(target, [3, 1], 3, params)
     spec = _sample_sequences(target, draft, 1500, params, 3, 3, 0)
     assert gof_pvalue(spec, exact, 1500) > 1e-3
+
+
+@pytest.mark.parametrize("fmt", [None, "q8_0"])
+def test_shipped_target_verify_rows_equal_single_steps(fmt):
+    """The shipped default target on a held-out prompt: 4-row verify blocks == one-row steps bit
+    for bit over 48 positions (before attention's causal rows stopped at their last visible key,
+    every row differed: by ~1e-5 at bf16 and, through int8 activation rounding, by ~0.08 at
+    q8_0, which flipped greedy tokens of 1 prompt in 32 in bench/acceptance.py)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    target = load_target(root / "dflash2_numba" / "assets" / "default" / "target", quantize=fmt)
+    text = json.loads((root / "bench" / "data" / "heldout_prompts.json").read_text())[5]
+    ids = target.tokenizer.encode_prompt(text if isinstance(text, str) else text["text"], chat=False)
+    seq = np.asarray(generate(target, None, prompt_ids=ids, max_new_tokens=48).output_ids[:48])
+    single_cache, block_cache = target.new_cache(len(ids) + 64), target.new_cache(len(ids) + 64)
+    target.forward(np.asarray(ids), single_cache)
+    target.forward(np.asarray(ids), block_cache)
+    single = np.concatenate([target.forward(seq[i:i + 1], single_cache)[0] for i in range(48)])
+    blocks = np.concatenate([target.forward(seq[i:i + 4], block_cache)[0] for i in range(0, 48, 4)])
+    assert np.array_equal(blocks, single)

@@ -99,6 +99,16 @@ TRANSPOSE_MIN_ROWS = 8
 
 
 @njit(inline="always")
+def use_transposed(nq, nh, nkv, causal):
+    """The transposed order for blocks of >= TRANSPOSE_MIN_ROWS rows per KV head, but never for
+    causal attention (the target's verify): its reductions run over a different grouping than a
+    one-row step's, and a Q-row verify must give the bits of Q one-row steps (lossless greedy
+    at every weight format: an int8 activation rounding turns a 1-ulp difference into a logit
+    change)."""
+    return (not causal) and nq * nh // nkv >= TRANSPOSE_MIN_ROWS
+
+
+@njit(inline="always")
 def _exp_f32(x):
     """Cephes expf for x <= 0 (scores minus their max): Cody-Waite reduction x = n ln2 + r,
     degree-6 polynomial in r, times 2^n built from the exponent bits. Branch-free, so a loop of
@@ -163,17 +173,20 @@ def _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item
     vis = np.empty(T, dtype=np.bool_)  # [T] may query i see key t
     s = np.empty(T, dtype=np.float32)  # [T] scores of one head, then its weights
     acc = np.empty(hd, dtype=np.float32)  # [hd]
-    for t in range(T):
-        vis[t] = _visible(q_pos[i], k_pos[t], causal, window)
+    Te = 0  # keys up to the last visible one: the loops stop there, so a query of a causal block
+    for t in range(T):  # runs exactly the loops (trip counts, hence vector groupings) of the
+        vis[t] = _visible(q_pos[i], k_pos[t], causal, window)  # one-row step at its position:
+        if vis[t]:  # a Q-row verify gives the bits of Q single steps
+            Te = t + 1
     for h in range(kvh * g, (kvh + 1) * g):
-        for t in range(T):
+        for t in range(Te):
             a = np.float32(0.0)
             for j in range(hd):
                 a += q[i, h, j] * k[kvh, t, j]
             s[t] = a * scale
-        inv = _softmax_weights(s, vis, T, bf16_probs)
+        inv = _softmax_weights(s, vis, Te, bf16_probs)
         acc[:] = np.float32(0.0)
-        for t in range(T):
+        for t in range(Te):
             if vis[t]:  # skipped, not weighted by 0: an inf/NaN in an unseen row never leaks
                 w = s[t]
                 for j in range(hd):
@@ -267,6 +280,7 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     if not (k.flags.c_contiguous and v.flags.c_contiguous):  # C layout is what vectorises
         k, v = np.ascontiguousarray(k[:, :T]), np.ascontiguousarray(v[:, :T])
     kernel = _attention_par if use_parallel(q.size * T) else _attention_ser
-    transposed = q.shape[0] * q.shape[1] // k.shape[0] >= TRANSPOSE_MIN_ROWS
+    # use_transposed's rule, read here from the module global (tests force either order)
+    transposed = (not causal) and q.shape[0] * q.shape[1] // k.shape[0] >= TRANSPOSE_MIN_ROWS
     kernel(q, k, v, q_pos, k_pos, T, bool(causal), int(window), bool(bf16_probs), out, transposed)
     return out

@@ -101,7 +101,7 @@ class TargetModel:
 
         self.embed_table = get("model.embed_tokens.weight")  # [V, H] stays uint16: rows on demand
         self.norm_w = as_f32(get("model.norm.weight"))  # [H]
-        head = ops.prepare_head or w  # quantized like the rest unless kept as stored
+        head = getattr(ops, "prepare_head", None) or w  # quantized like the rest unless kept as stored (CPU)
         if c.tie_word_embeddings:  # HF ties lm_head to the embedding even if a copy is stored
             self.lm_head_w = head(self.embed_table)  # [V, H]
         else:
