@@ -247,12 +247,15 @@ def test_first_run_notice_and_compile_time_kept_out_of_the_stats(pair, monkeypat
 def test_warm_up_reaches_the_parallel_drivers(pair):
     """With more than one thread, the GEMV / attention go parallel only above a size threshold
     that a short warm-up prompt never reaches but a long context does, mid-run: warm_up must
-    compile (or load) the parallel drivers too. Red, in a fresh process (this test alone), on a
-    warm-up without its second, threshold-0 pass."""
+    compile (or load) the parallel drivers too. A short prompt's run takes the fused layer only,
+    whose parallel variant holds them (kernels/fused.py: chosen by the thread count, not by the
+    threshold); a long or unknown prompt's warm-up also runs the op-by-op prefill, which calls
+    them from Python. Red, in a fresh process (this test alone), on a warm-up without its second,
+    threshold-0 pass."""
     import numba
 
     from dflash2_numba.decode import warmup
-    from dflash2_numba.kernels import attention, linear, panels
+    from dflash2_numba.kernels import attention, fused, linear, panels
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only: the parallel drivers are never used")
@@ -260,7 +263,10 @@ def test_warm_up_reaches_the_parallel_drivers(pair):
     numba.set_num_threads(2)
     try:
         target = dn.load_target(pair["target"])
-        warmup.warm_up(target, dn.load_draft(pair["dflash2"], target), prompt_ids=[5, 17], max_new_tokens=4)
+        draft = dn.load_draft(pair["dflash2"], target)
+        warmup.warm_up(target, draft, prompt_ids=[5, 17], max_new_tokens=4)
+        assert fused._layer_kernel(False, True).overloads  # compiled, or loaded from the cache
+        warmup.warm_up(target, draft, max_new_tokens=4)  # no prompt given: the long-prompt warm-up
     finally:
         numba.set_num_threads(before)
     assert panels._gemv_panels_par.overloads and attention._attention_par.overloads
