@@ -293,7 +293,7 @@ def inspect(model_dir, json_dest, no_hash):
         emit(format_inspect(report))
 
 
-main.add_command(make_serve_command(_model_options, _load))  # serve/command.py
+main.add_command(make_serve_command(_model_options, _load, _quantize_option))  # serve/command.py
 
 
 if __name__ == "__main__":

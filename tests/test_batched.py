@@ -55,6 +55,22 @@ def test_verify_batch_bits_equal_solo_forward(pair):
         np.testing.assert_array_equal(cm.k[:, :, :cm.length], cs.k[:, :, :cs.length])
 
 
+def run_batched(target, draft, decs) -> list[list[int]]:
+    """Every decode/step.Decoding to the end as the engine runs them: each prefill in whole
+    chunks (as solo), then steps of all unfinished requests together. -> tokens per request."""
+    out = [[] for _ in decs]
+    for i, d in enumerate(decs):
+        step = None
+        while step is None:
+            step = d.prefill_step()
+        out[i] += step.token_ids
+    while not all(d.finished for d in decs):
+        live = [i for i, d in enumerate(decs) if not d.finished]
+        for i, step in zip(live, batched.step_batch(target, draft, [decs[i] for i in live])):
+            out[i] += step.token_ids
+    return out
+
+
 REQUESTS = [  # (prompt, max_new, Q, temperature, top_k, seed)
     ("The cat sat on", 40, 4, 0.0, 0, None),
     ("Once upon a time there was", 33, 8, 0.8, 0, 3),
@@ -77,19 +93,7 @@ def test_step_batch_equals_solo_generate(pair, kind):
         solo.append(dn.generate(target, draft, prompt, **kw).output_ids)
         decs.append(Decoding(target, draft, tok.encode(prompt), n, Q if draft else 1,
                              SamplingParams(temp, k, 1.0, seed), ()))
-    out = [[] for _ in decs]
-    for i, d in enumerate(decs):  # prefill (whole chunks, as solo)
-        step = None
-        while step is None:
-            step = d.prefill_step()
-        out[i] += step.token_ids
-    while True:
-        live = [i for i, d in enumerate(decs) if not d.finished]
-        if not live:
-            break
-        for i, step in zip(live, batched.step_batch(target, draft, [decs[i] for i in live])):
-            out[i] += step.token_ids
-    assert out == solo
+    assert run_batched(target, draft, decs) == solo
     if draft is not None:
         assert sum(d.stats.tau for d in decs[:4]) / 4 > 1.0  # the drafts were really accepted
 
@@ -138,14 +142,19 @@ def test_a_hybrid_target_runs_per_request_in_the_same_step(tmp_path):
     want = [dn.generate(target, draft, prompt_ids=p, max_new_tokens=n, block_size=Q, temperature=t, seed=s).output_ids
             for p, n, Q, t, s in reqs]
     decs = [Decoding(target, draft, p, n, Q, SamplingParams(t, 0, 1.0, s), ()) for p, n, Q, t, s in reqs]
-    out = [[] for _ in decs]
-    for i, d in enumerate(decs):
-        step = None
-        while step is None:
-            step = d.prefill_step()
-        out[i] += step.token_ids
-    while not all(d.finished for d in decs):
-        live = [i for i, d in enumerate(decs) if not d.finished]
-        for i, step in zip(live, batched.step_batch(target, draft, [decs[i] for i in live])):
-            out[i] += step.token_ids
-    assert out == want
+    assert run_batched(target, draft, decs) == want
+
+
+def test_step_batch_equals_solo_generate_on_q8_0_weights():
+    """Quantized panels (quant/) are row-invariant too: batched == solo at q8_0."""
+    if not (ASSET_DIR / "target" / "config.json").is_file():
+        pytest.skip("the embedded default pair is not shipped in this checkout")
+    target = dn.load_target(ASSET_DIR / "target", quantize="q8_0")
+    draft = dn.load_draft(ASSET_DIR / "dflash2", target)
+    assert batched.batches_target(target) and batched.batches_draft(draft)
+    tok = target.tokenizer
+    reqs = REQUESTS[:4]
+    want = [dn.generate(target, draft, p, max_new_tokens=n, temperature=t, top_k=k, seed=s, block_size=Q).output_ids
+            for p, n, Q, t, k, s in reqs]
+    decs = [Decoding(target, draft, tok.encode(p), n, Q, SamplingParams(t, k, 1.0, s), ()) for p, n, Q, t, k, s in reqs]
+    assert run_batched(target, draft, decs) == want

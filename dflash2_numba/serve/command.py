@@ -1,6 +1,6 @@
 """The `serve` click command. cli.py registers it with its own model options and loader:
 
-    main.add_command(make_serve_command(_model_options, _load))
+    main.add_command(make_serve_command(_model_options, _load, _quantize_option))
 
 (passed in, not imported, so the options stay defined once and cli.py imports nothing of the
 server until `serve` runs: Starlette and uvicorn are an optional extra)."""
@@ -22,9 +22,10 @@ class ServeExtraMissingError(DFlashError):
 DEFAULT_MODEL_ID = "dflash2-default"  # /v1/models id of the embedded default pair
 
 
-def make_serve_command(model_options, load):
+def make_serve_command(model_options, load, quantize_option=lambda f: f):
     @click.command()
     @model_options
+    @quantize_option
     @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
     @click.option("--port", type=int, default=8000, show_default=True, help="Port (0: a free one).")
     @click.option("--block-size", type=int, default=None,
@@ -36,7 +37,7 @@ def make_serve_command(model_options, load):
     @click.option("--shutdown-grace", type=float, default=30.0, show_default=True,
                   help="Seconds SIGTERM lets running requests finish before ending them.")
     def serve(target_dir, draft_dir, device, threads, dtype, host, port, block_size, max_running, max_waiting,
-              shutdown_grace):
+              shutdown_grace, quantize=None):
         """OpenAI-compatible HTTP server (chat / completions, streamed or not) that batches requests."""
         try:
             from .engine import Engine
@@ -45,7 +46,7 @@ def make_serve_command(model_options, load):
             raise ServeExtraMissingError(f"serve needs the optional extra: pip install 'dflash2-numba[serve]' "
                                          f"({e})") from None
         model_id = DEFAULT_MODEL_ID if target_dir is None else Path(target_dir).resolve().name
-        engine = Engine(lambda: load(target_dir, draft_dir, device, dtype, threads)[2:],
+        engine = Engine(lambda: load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)[2:],
                         max_running=max_running, max_waiting=max_waiting, block_size=block_size)
         server = Server(engine, model_id, host=host, port=port, grace_s=shutdown_grace)
         click.echo(f"dflash2-decode serve: {model_id} on {server.url} (loading; GET /health turns 200 when ready)",
