@@ -45,7 +45,8 @@ extra untimed run of the checkpoint loaded in float32 (the first 4 tokens must a
 (quant/: llama.cpp's block math, every matrix and the head in that format), and llama.cpp runs a
 GGUF made by ITS OWN quantizer (llama_model_quantize) from the bf16 GGUF above, with the output
 tensor in the same format (output_tensor_type; llama.cpp would otherwise pick Q6_K for a q4_0
-head) so both read the same bytes per token. transformers is skipped (no q8_0 / q4_0 there).
+head) and the token embedding kept bf16 (token_embedding_type; it is only gathered, and this
+project keeps it as stored), so both compute the same model and read the same bytes per token. transformers is skipped (no q8_0 / q4_0 there).
 The default --out then gets the format's suffix (vs_llamacpp_q8_0.json), and the JSON records
 the instruction-set path the integer kernels compiled for (kernels/isa.py; DFLASH2_ISA=avx2
 forces a lower one).
@@ -86,6 +87,7 @@ MUST_AGREE = 4  # the first tokens that must agree with ours, else the GGUF (or 
 # llama.cpp's file type and ggml tensor type per format (llama.h LLAMA_FTYPE_MOSTLY_*, ggml.h GGML_TYPE_*)
 QUANT_TYPES = {"q8_0": (7, 8), "q4_0": (2, 2)}
 QUANT_TYPES_NAMES = tuple(QUANT_TYPES)
+GGML_TYPE_BF16 = 30
 
 
 def parse_args(argv=None):
@@ -235,12 +237,13 @@ def quantized_gguf(src_dir: Path, fmt: str) -> Path:
     import llama_cpp
 
     src = cached_gguf(src_dir)
-    out = src_dir / f"model-{fmt}.gguf"
+    out = src_dir / f"model-{fmt}-embed-bf16.gguf"
     if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
         return out
     print(f"quantizing {src.name} -> {out.name} with llama_model_quantize ...", file=sys.stderr, flush=True)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.output_tensor_type = QUANT_TYPES[fmt]
+    params.token_embedding_type = GGML_TYPE_BF16  # the embedding stays as stored, as ours does
     tmp = out.with_suffix(".tmp")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
     if rc != 0:
