@@ -500,8 +500,10 @@ def results(tmp_path_factory, request):
     kernels = REPO / "dflash2_numba" / "kernels"
     cache_src = root / "numba_cache_src" / _CacheLocator.get_suitable_cache_subpath(str(kernels / "rowwise.py"))
     cache_src.mkdir(parents=True)
-    for f in (kernels / "__pycache__").glob("*.nb[ic]"):
-        shutil.copy2(f, cache_src / f.name)
+    from dflash2_numba.kernels.cache_check import FINGERPRINT_FILE
+
+    for f in [*(kernels / "__pycache__").glob("*.nb[ic]"), kernels / "__pycache__" / FINGERPRINT_FILE]:
+        shutil.copy2(f, cache_src / f.name)  # the fingerprint too: without it all files count as stale
     os.environ["_BAD_INPUTS_CACHE_SRC"] = str(cache_src)
 
     def run(case: Case):

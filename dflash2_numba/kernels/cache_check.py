@@ -5,21 +5,72 @@ numba recompiles when an index file (.nbi) is unreadable, but a truncated or cor
 (.nbc) ends in a bare `pickle.UnpicklingError` traceback from inside numba at the first call.
 Here every data file of this package's cached kernels is unpickled up front (~60 ms for the
 whole set) and a bad one is refused by name, with the fix: delete it and numba recompiles.
+
+Stale kernels: numba keys a cached kernel on ITS OWN source file's timestamp, so a kernel that
+inlines helpers from another file (the fused layer inlines rowwise, attention, panels, numerics,
+quant) is loaded from the cache unchanged after those helpers changed — an upgrade or an edit
+would run the old code, silently. So every cache directory carries a fingerprint (sha256 of the
+source of every module whose code is compiled into a kernel: `KERNEL_SOURCES`); when it does not
+match the installed sources, that directory's kernels are deleted first and recompiled.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import pickle
 from pathlib import Path
 
 from ..errors import KernelCacheError
 
 
+PACKAGE = Path(__file__).resolve().parent.parent
+# every file whose code ends up inside a cached kernel (compiled or inlined)
+KERNEL_SOURCES = ("kernels/*.py", "quant/*.py", "numerics.py", "models/selector.py")
+FINGERPRINT_FILE = "dflash2_kernel_sources.sha256"
+
+
 def _kernel_modules():
     from . import attention, conv, fused, gdn, linear, panels, rowwise
+    from ..models import selector  # its top-K / walk kernels are cached too
+    from ..quant import kernels_int8, weights
 
-    return attention, conv, fused, gdn, linear, panels, rowwise
+    return attention, conv, fused, gdn, linear, panels, rowwise, selector, kernels_int8, weights
+
+
+@functools.lru_cache(maxsize=None)
+def sources_fingerprint() -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for pattern in KERNEL_SOURCES for p in PACKAGE.glob(pattern)):
+        h.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def drop_stale_kernels(directory: Path, fingerprint: str) -> int:
+    """Delete the cached kernels in `directory` unless its fingerprint file says they were
+    compiled from sources with `fingerprint` (a directory without one, from before this check,
+    counts as stale); then record `fingerprint`. Returns how many files were deleted. A cache
+    directory we cannot write is left as it is."""
+    marker = directory / FINGERPRINT_FILE
+    try:
+        if marker.read_text().strip() == fingerprint:
+            return 0
+    except OSError:
+        pass
+    dropped = 0
+    for f in directory.glob("*.nb[ic]"):
+        try:
+            f.unlink()
+            dropped += 1
+        except FileNotFoundError:
+            pass  # another process dropped it first
+        except OSError:
+            return dropped  # read-only cache: nothing recorded
+    try:
+        marker.write_text(fingerprint + "\n")
+    except OSError:
+        pass
+    return dropped
 
 
 def _cached_dispatchers(modules):
@@ -57,6 +108,8 @@ def _cache_dirs(modules) -> set[Path]:
 @functools.lru_cache(maxsize=None)
 def check_kernel_cache() -> None:
     for directory in sorted(_cache_dirs(_kernel_modules())):
+        if directory.is_dir():
+            drop_stale_kernels(directory, sources_fingerprint())
         for path in sorted(directory.glob("*.nbc")):
             try:
                 pickle.loads(path.read_bytes())
