@@ -92,10 +92,6 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         from .quant.formats import resident_bytes
 
         extra["resident_bytes"] = resident_bytes(tensors, ignored, bool(getattr(cfg, "tie_word_embeddings", False)))
-    if kind == "target":  # what the loaded weights hold at each --quantize (quant/formats.py)
-        from .quant.formats import resident_bytes
-
-        extra["resident_bytes"] = resident_bytes(tensors, ignored, bool(getattr(cfg, "tie_word_embeddings", False)))
     return {
         **extra,  # family facts (e.g. layer schedule, recurrent-state bytes per request)
         "path": str(path),
@@ -122,8 +118,6 @@ def format_inspect(report: dict) -> str:
         f"  inventory:  {'ok' if report['inventory_error'] is None else report['inventory_error']}",
     ]
     lines += [f"  {line}" for line in report.get("summary_lines", [])]  # family facts (schedule, state)
-    if report.get("resident_bytes"):
-        lines.append("  weights resident: " + ", ".join(f"{fmt} {human_bytes(b)}" for fmt, b in report["resident_bytes"].items()))
     if report.get("resident_bytes"):
         lines.append("  weights resident: " + ", ".join(f"{fmt} {human_bytes(b)}" for fmt, b in report["resident_bytes"].items()))
     ignored = report.get("ignored_tensors") or {}

@@ -94,7 +94,7 @@ def keyed_gumbel(seed: int, positions: np.ndarray, token_ids: np.ndarray) -> np.
 
 
 # ---------------------------------------------------------------- top-K kernel
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _top_k_rows(z, valid_vocab, ids, vals):
     """Per row of z [k, V]: the K = ids.shape[1] best ids, value descending, ties by ascending
     id; ids >= valid_vocab and NaN count as -inf. Writes ids [k, K] int64, vals [k, K] f32.
@@ -123,7 +123,7 @@ def _top_k_rows(z, valid_vocab, ids, vals):
             n = min(n + 1, K)
 
 
-@njit(fastmath={"reassoc"}, cache=True)
+@njit(fastmath={"reassoc"}, cache=True, nogil=True)
 def _scores_kernel(u, pi, pred, ids, A, Bc, S):
     """S[l, a, c] = u[l, c] + sum_j (A[pred[l, a], j] * pi[l, j]) * Bc[ids[l, c], j] in f32.
     u [k, K], pi [k, r], pred / ids [k, K] int64, A / Bc [V, r] uint16 (bf16 bits) or f32,
@@ -146,7 +146,7 @@ def _scores_kernel(u, pi, pred, ids, A, Bc, S):
                 S[l, a, c] = u[l, c] + acc
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _walk_greedy_kernel(S, slots):
     """prev = 0; slots[l] = first argmax_c S[l, prev, c] with NaN never winning and an all
     -inf (or all NaN) row giving slot 0; prev = slots[l]. S [k, K, K], slots [k] written."""
