@@ -423,7 +423,8 @@ CASES = [
     Case("index-shard-outside", BADT, "CorruptHeaderError", ("model.safetensors.index.json", "../elsewhere"), _sharded_outside),
     # ---------------------------------------------------------- inspect: the loader's typed reads (issue 18)
     # were KeyError / TypeError tracebacks (inspect read architectures[0] untyped)
-    Case("inspect-arch-object", INSPECT, "ConfigValueError", ("config.json", "architectures = {}"), _config_patch({"architectures": {}})),
+    Case("inspect-arch-object", INSPECT, "ConfigValueError", ("config.json", "architectures = {'Qwen3ForCausalLM': 1}"),
+         _config_patch({"architectures": {"Qwen3ForCausalLM": 1}})),
     Case("inspect-arch-number", INSPECT, "ConfigValueError", ("config.json", "architectures = 5"), _config_patch({"architectures": 5})),
     Case("inspect-arch-string", INSPECT, "ConfigValueError", ("architectures = 'Qwen3ForCausalLM'",),
          _config_patch({"architectures": "Qwen3ForCausalLM"})),
