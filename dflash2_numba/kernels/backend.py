@@ -147,7 +147,10 @@ def get_ops(device: str = "cpu", quantize: str | None = None, keep_head: bool = 
         return Ops("numpy", linear_reference, attention_reference, conv, as_f32,
                    short_conv=gdn.short_conv_reference, gated_delta=gdn.gated_delta_rule_reference)
     if device == "cuda":  # @cuda.jit kernels (kernels/cuda_ops.py); DeviceUnavailableError without a GPU
-        from .cuda_ops import CudaOps
-
+        try:
+            from .cuda_ops import CudaOps
+        except ImportError as e:  # numba-cuda (the `cuda` extra) not installed
+            raise DeviceUnavailableError(
+                f"device 'cuda': numba's CUDA target cannot be imported ({e}); install the `cuda` extra") from e
         return CudaOps()
     raise DeviceUnavailableError(f"unknown device {device!r}; expected one of: {', '.join(DEVICES)}")

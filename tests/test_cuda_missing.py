@@ -1,0 +1,28 @@
+"""Without numba's CUDA target (the `cuda` extra not installed), `get_ops("cuda")` is the named
+DeviceUnavailableError, not a bare ImportError. The extra is hidden in a subprocess by
+bench/hide_extras (its sitecustomize makes the listed modules raise ModuleNotFoundError).
+Red on: the import of kernels/cuda_ops.py left unguarded."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CODE = """
+from dflash2_numba.errors import DeviceUnavailableError
+from dflash2_numba.kernels.backend import get_ops
+try:
+    get_ops("cuda")
+except DeviceUnavailableError as e:
+    print("refused:", e)
+"""
+
+
+def test_get_ops_cuda_without_the_extra_is_a_named_refusal():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "bench" / "hide_extras"),
+           "DFLASH2_HIDE_MODULES": "numba_cuda,numba.cuda"}
+    r = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("refused: device 'cuda'") and "cuda` extra" in r.stdout, r.stdout
