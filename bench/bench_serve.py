@@ -47,6 +47,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 import httpx  # noqa: E402
 
+from acceptance import shown  # noqa: E402  (a path as recorded: relative to the checkout)
+
 TIMEOUT_S = 120.0
 MAX_TRIES = 20  # load test: attempts per request while the queue is full
 
@@ -243,7 +245,7 @@ def throughput(args) -> None:
     finally:
         codes = {name: srv.stop() for name, srv in servers.items()}
     same = all(len(v) == 1 for v in texts.values())
-    report = {"machine": machine(), "target": str(args.target), "draft": str(args.draft), "Q": args.block_size,
+    report = {"machine": machine(), "target": shown(args.target), "draft": shown(args.draft), "Q": args.block_size,
               "threads": args.threads, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
               "rows": rows, "greedy_texts_identical_across_servers": same, "exit_codes": codes}
     report["table"] = table(rows, clients, list(configs))
@@ -379,7 +381,7 @@ def load(args) -> None:
         "running + waiting == 0 at the end": (after["requests_running"] + after["requests_waiting"], 0),
     }
     ok = all(a == b for a, b in reconcile.values())
-    report = {"machine": machine(), "target": str(target_dir), "draft": str(draft_dir), "clients": args.clients,
+    report = {"machine": machine(), "target": shown(target_dir), "draft": shown(draft_dir), "clients": args.clients,
               "requests": len(specs), "cancel_share": args.cancel, "max_running": args.max_running,
               "max_waiting": args.max_waiting, "wall_s": wall, "counts": counts,
               "rejected_attempts": sum(attempts) - sent + counts["rejected"], "reconcile": reconcile,
