@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dflash2_numba as dn  # noqa: E402
 from dflash2_numba import tiny  # noqa: E402
-from dflash2_numba.models.qwen3_5_config import state_bytes  # noqa: E402
+from dflash2_numba.families.qwen3_5 import state_bytes  # noqa: E402
 from dflash2_numba.tiny_hybrid import write_qwen3_5_target  # noqa: E402
 
 SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, full_attention_interval=4,

@@ -125,7 +125,7 @@ def main(argv=None):
 
     path = args.target if args.target is not None else build_target()
     if args.device == "numpy":  # the plain-numpy reference path (ops switch), for comparison
-        from dflash2_numba.models.target import TargetModel
+        from dflash2_numba.families.qwen3 import TargetModel
         from dflash2_numba.tokenizer import Tokenizer
         target = TargetModel.load(path, device="numpy")
         target.tokenizer = Tokenizer.from_dir(path)

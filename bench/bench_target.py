@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash2_numba.models.target import TargetModel  # noqa: E402
+from dflash2_numba.families.qwen3 import TargetModel  # noqa: E402
 from dflash2_numba.tiny import write_target  # noqa: E402
 
 SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,

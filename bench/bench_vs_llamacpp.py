@@ -137,7 +137,7 @@ sys.path.insert(0, str(ROOT))
 from bandwidth import read_bandwidth  # noqa: E402  (bench/bandwidth.py: four-stream sum)
 from bench_target import SHAPE, decode, model_dir  # noqa: E402
 from dflash2_numba.checkpoint import open_checkpoint  # noqa: E402
-from dflash2_numba.config import load_target_config  # noqa: E402
+from dflash2_numba.families.qwen3 import load_target_config  # noqa: E402
 from dflash2_numba.numerics import bf16_to_f32_array  # noqa: E402
 
 
@@ -274,7 +274,7 @@ class NumbaEngine:
     def __init__(self, src_dir: Path, args):
         import numba
 
-        from dflash2_numba.models.target import TargetModel
+        from dflash2_numba.families.qwen3 import TargetModel
 
         self.numba = numba
         self.target = TargetModel.load(src_dir, device="cpu", quantize=None if args.quantize == "bf16" else args.quantize)

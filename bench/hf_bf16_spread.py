@@ -80,9 +80,9 @@ def build_gates(root: Path) -> dict:
     import test_muse_target as tm
     import test_qwen3_5_target as tq
     import test_target_hf as th
-    from dflash2_numba.models.muse_glimmer import MuseGlimmerTarget
-    from dflash2_numba.models.qwen3_5 import Qwen3_5Model
-    from dflash2_numba.models.target import TargetModel
+    from dflash2_numba.families.muse_glimmer import MuseGlimmerTarget
+    from dflash2_numba.families.qwen3_5 import Qwen3_5Model
+    from dflash2_numba.families.qwen3 import TargetModel
     from muse_fixtures import prompt, write_muse_target
     from qwen3_5_fixtures import build_hf_qwen3_5
 

@@ -50,16 +50,17 @@ def load_target(model_dir, device: str = "cpu", dtype: str = "f32", quantize: st
     # config and tokenizer first: their refusals need no kernel module (no numba import)
     family.resolve(raw, str(config_path))
     tok = Tokenizer.from_dir(model_dir)
+    cls = family.model_class()
     if quantize is None:
-        target = family.model_class().load(model_dir, device=device, dtype=dtype)
+        target = cls.load(model_dir, device=device, dtype=dtype)
     else:
-        from .models.target import TargetModel
+        from .families.qwen3 import TargetModel
 
-        if family.model_class() is not TargetModel:
+        if not issubclass(cls, TargetModel) or not cls.quantizable:
             raise GenerationArgumentError(
-                f"{config_path}: quantize={quantize!r} is implemented for Qwen3 / Llama targets, "
-                f"not {family.model_class().__name__}")
-        target = TargetModel.load(model_dir, device=device, dtype=dtype, quantize=quantize, keep_head=keep_head)
+                f"{config_path}: quantize={quantize!r} is implemented for Qwen3 / Llama targets and the "
+                f"MoE families built on them, not {cls.__name__}")
+        target = cls.load(model_dir, device=device, dtype=dtype, quantize=quantize, keep_head=keep_head)
     target.tokenizer = tok
     # ids >= the tokenizer's size are padding (§2.1); the decode loop masks them to -inf
     target.valid_vocab = min(tok.vocab_size, target.config.vocab_size)

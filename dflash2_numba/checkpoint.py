@@ -204,6 +204,8 @@ class Checkpoint:
         `expected` maps name -> shape; names in `optional` may be absent. An `ExpectedTensors`
         (config.py) also carries its own tolerated names and per-tensor shape notes; one with
         `ignored_prefixes` (prefix -> why) tolerates every name under those prefixes, unread."""
+        if hasattr(expected, "pick"):  # ExpectedTensors: alternative layouts resolved against the file
+            expected = expected.pick(self.tensors)
         optional = set(optional) | getattr(expected, "optional", set())
         if hasattr(expected, "ignored"):  # ExpectedTensors: names under its ignored prefixes
             optional |= set(expected.ignored(self.tensors))

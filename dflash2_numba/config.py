@@ -39,7 +39,6 @@ from .errors import (
 )
 from .input_files import MAX_CONFIG_BYTES, read_json_object
 
-TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2",
                        "MuseGlimmerAssistantModel": "dflash"}  # Meta's DFlash v1 head for Muse-Glimmer
 MUSE_ASSISTANT = "MuseGlimmerAssistantModel"
@@ -83,7 +82,7 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _rope_theta(raw: dict, source: str) -> float:
+def rope_theta_of(raw: dict, source: str) -> float:
     """Flat `rope_theta` wins; nested `rope_parameters.rope_theta` is the fallback. > 0: a zero
     or negative base makes every inverse frequency inf / NaN."""
     if raw.get("rope_theta") is not None:
@@ -94,7 +93,7 @@ def _rope_theta(raw: dict, source: str) -> float:
     return DEFAULT_ROPE_THETA
 
 
-def _refuse_rope_scaling(raw: dict, source: str) -> None:
+def refuse_rope_scaling(raw: dict, source: str) -> None:
     """Only plain RoPE is implemented; anything else would be silently wrong."""
     for key in ("rope_scaling", "rope_parameters"):
         params = raw.get(key)
@@ -108,121 +107,33 @@ def _refuse_rope_scaling(raw: dict, source: str) -> None:
                 )
 
 
-# ---------------------------------------------------------------- target
+# ---------------------------------------------------------------- what every decoder stack has
 @dataclass(frozen=True)
-class TargetConfig:
-    architecture: str  # architectures[0]
-    model_type: str
+class DecoderDims:
+    """The geometry every config here shares (targets of each family, drafts), HF key names.
+    Family configs subclass it and add their own keys after these."""
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    vocab_size: int
     rms_norm_eps: float
-    rope_theta: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    eos_token_id: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
-    source: str = "config.json"
-    # per layer: None = full causal attention, W = causal sliding window (key s visible from
-    # query t iff 0 <= t - s < W, as HF's sliding_window_overlay); all None unless configured
-    layer_window: tuple[int | None, ...] = ()
-    sliding_window: int | None = None  # resolved (None unless use_sliding_window)
-
-    @property
-    def has_qk_norm(self) -> bool:  # Qwen3 normalises per head before RoPE; Llama does not
-        return self.architecture == "Qwen3ForCausalLM"
 
 
-def resolve_target_config(raw: dict, source: str = "config.json") -> TargetConfig:
-    arch = architecture_of(raw, source)
-    if arch not in TARGET_ARCHITECTURES:
-        raise UnknownArchitectureError(
-            f"{source}: architectures[0] = {arch!r}; supported targets: {', '.join(TARGET_ARCHITECTURES)}"
-        )
-    for key in ("attention_bias", "mlp_bias"):
-        if get_bool(raw, key, source, default=False):
-            raise UnsupportedConfigError(f"{source}: {key} = true is not supported (no bias path)")
-    if get_str(raw, "hidden_act", source, default="silu") != "silu":
-        raise UnsupportedConfigError(f"{source}: hidden_act = {raw['hidden_act']!r}; only 'silu'")
-    _refuse_rope_scaling(raw, source)
-    H = get_int(raw, "hidden_size", source, minimum=1)
-    nh, nkv, hd = head_geometry(raw, source, H)
-    n_layers = get_int(raw, "num_hidden_layers", source, minimum=1, maximum=MAX_LAYERS)
-    windows, sliding_window = _target_windows(raw, arch, n_layers, source)
-    return TargetConfig(
-        architecture=arch,
-        model_type=get_str(raw, "model_type", source, default=""),
-        hidden_size=H,
-        intermediate_size=get_int(raw, "intermediate_size", source, minimum=1),
-        num_hidden_layers=n_layers,
-        num_attention_heads=nh,
-        num_key_value_heads=nkv,
-        head_dim=hd,
-        vocab_size=get_int(raw, "vocab_size", source, minimum=1),
-        rms_norm_eps=get_float(raw, "rms_norm_eps", source, default=1e-6, positive=True),
-        rope_theta=_rope_theta(raw, source),
-        tie_word_embeddings=get_bool(raw, "tie_word_embeddings", source, default=False),
-        max_position_embeddings=get_int(raw, "max_position_embeddings", source, default=32768, minimum=1),
-        eos_token_id=token_ids(raw.get("eos_token_id"), "eos_token_id", source),
-        bos_token_id=get_int(raw, "bos_token_id", source, default=None, minimum=0),
-        source=source,
-        layer_window=windows,
-        sliding_window=sliding_window,
-    )
+def decoder_dims(raw: dict, where: str, intermediate_key: str = "intermediate_size",
+                 eps_default: float = 1e-6) -> dict:
+    """The DecoderDims fields read from a (flat or text_config) dict, typed and range-checked;
+    head_dim by head_geometry's rule. -> keyword dict for the family's dataclass."""
+    H = get_int(raw, "hidden_size", where, minimum=1)
+    nh, nkv, hd = head_geometry(raw, where, H)
+    return dict(hidden_size=H, intermediate_size=get_int(raw, intermediate_key, where, minimum=1),
+                num_hidden_layers=get_int(raw, "num_hidden_layers", where, minimum=1, maximum=MAX_LAYERS),
+                num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
+                rms_norm_eps=get_float(raw, "rms_norm_eps", where, default=eps_default, positive=True))
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def _layer_types(raw: dict, n_layers: int, source: str) -> list[str] | None:
-    """`layer_types` as given (None when absent): a list of n_layers known names."""
-    types = raw.get("layer_types")
-    if types is None:
-        return None
-    if not isinstance(types, list):
-        raise ConfigValueError(f"{source}: layer_types = {types!r:.200}, expected a JSON list")
-    if len(types) != n_layers:
-        raise ConfigValueError(f"{source}: layer_types has {len(types)} entries, expected "
-                               f"num_hidden_layers = {n_layers}")
-    for i, t in enumerate(types):
-        if t not in LAYER_TYPES:
-            raise ConfigValueError(f"{source}: layer_types[{i}] = {t!r}, expected one of {', '.join(LAYER_TYPES)}")
-    return types
-
-
-def _target_windows(raw: dict, arch: str, n_layers: int, source: str):
-    """Per-layer sliding windows of a Qwen3 target, resolved as transformers' Qwen3Config does:
-    sliding_window counts only with use_sliding_window (default 4096 when the key is absent);
-    without layer_types, layers i >= max_window_layers slide. Llama has no sliding path in HF
-    (the keys are ignored there, and here). -> (layer_window tuple, resolved sliding_window)."""
-    if arch != "Qwen3ForCausalLM":
-        return (None,) * n_layers, None
-    use = get_bool(raw, "use_sliding_window", source, default=False)
-    window = get_int(raw, "sliding_window", source, default=None, minimum=1) if "sliding_window" in raw else 4096
-    if use and window is None:
-        raise ConfigValueError(f"{source}: use_sliding_window = true but sliding_window = null: "
-                               "no window to slide (give sliding_window >= 1, or set use_sliding_window false)")
-    window = window if use else None
-    max_window_layers = get_int(raw, "max_window_layers", source, default=28, minimum=0)
-    types = _layer_types(raw, n_layers, source)
-    if types is None:
-        types = ["sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
-                 for i in range(n_layers)]
-    if "sliding_attention" in types and window is None:
-        raise ConfigValueError(
-            f"{source}: layer_types has sliding_attention layers but use_sliding_window = {use} and "
-            f"sliding_window = {raw.get('sliding_window')!r} give no window; transformers would run them "
-            "with full attention, which is not what layer_types says")
-    return tuple(window if t == "sliding_attention" else None for t in types), window
-
-
-def load_target_config(model_dir: str | Path) -> TargetConfig:
-    path, raw = read_config_json(model_dir)
-    return resolve_target_config(raw, source=str(path))
 
 
 # ---------------------------------------------------------------- draft
@@ -235,16 +146,9 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(DecoderDims):
     architecture: str  # "DFlashDraftModel" | "DFlash2DraftModel"
     kind: str  # "dflash" | "dflash2"
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
     rope_theta: float
     block_size: int  # B, the trained block size (runtime Q may be smaller)
     mask_token_id: int
@@ -308,7 +212,7 @@ def _layer_causality(raw: dict, dc: dict, n_layers: int, layer_types, source: st
     return [t == "sliding_attention" for t in layer_types]
 
 
-def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: str = "config.json") -> DraftConfig:
+def resolve_draft_config(raw: dict, target=None, source: str = "config.json") -> DraftConfig:
     """spec §2.2 table. `target` supplies num_target_layers / vocab when the draft omits them."""
     arch = architecture_of(raw, source)
     if arch not in DRAFT_ARCHITECTURES:
@@ -324,7 +228,7 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
                 f"{source}: {key} = {sink!r} is refused (expected false or absent): this decoder has "
                 "no attention-sink path and would compute a different attention"
             )
-    _refuse_rope_scaling(raw, source)
+    refuse_rope_scaling(raw, source)
 
     def nested_or_top(name: str):  # dflash_config.<name> wins over the top-level key
         return _first((f"dflash_config.{name}", dc.get(name)), (name, raw.get(name)))
@@ -338,9 +242,8 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
         raise ConfigError(f"{source}: mask_token_id missing (looked in dflash_config.mask_token_id, mask_token_id)")
     mask_token_id = check_int(mask_token_id, key, source, minimum=0)
 
-    H = get_int(raw, "hidden_size", source, minimum=1)
-    nh, nkv, hd = head_geometry(raw, source, H)
-    n_layers = get_int(raw, "num_hidden_layers", source, minimum=1, maximum=MAX_LAYERS)
+    dims = decoder_dims(raw, source)
+    H, n_layers = dims["hidden_size"], dims["num_hidden_layers"]
     key, num_target_layers = _first(("num_target_layers", raw.get("num_target_layers")),
                                     ("dflash_config.num_target_layers", dc.get("num_target_layers")))
     if num_target_layers is None and target is not None:
@@ -378,7 +281,7 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
     window = None if window is None else check_int(window, key, source, minimum=1)
     layer_window = [window if s else None for s in sliding]
     layer_causal = _layer_causality(raw, dc, n_layers, layer_types, source)
-    rope_theta = _rope_theta(raw, source)
+    rope_theta = rope_theta_of(raw, source)
     if arch == MUSE_ASSISTANT:
         layer_causal, layer_window, rope_theta = _muse_assistant_rules(raw, layer_window, source)
 
@@ -403,14 +306,8 @@ def resolve_draft_config(raw: dict, target: TargetConfig | None = None, source: 
     return DraftConfig(
         architecture=arch,
         kind=kind,
-        hidden_size=H,
-        intermediate_size=get_int(raw, "intermediate_size", source, minimum=1),
-        num_hidden_layers=n_layers,
-        num_attention_heads=nh,
-        num_key_value_heads=nkv,
-        head_dim=hd,
-        rms_norm_eps=get_float(raw, "rms_norm_eps", source, default=1e-6, positive=True),
-        rope_theta=_rope_theta(raw, source),
+        **dims,
+        rope_theta=rope_theta_of(raw, source),
         block_size=block_size,
         mask_token_id=mask_token_id,
         target_layer_ids=tap_ids,
@@ -440,16 +337,16 @@ def _muse_assistant_rules(raw: dict, layer_window: list, source: str):
             f"{source}: is_causal = {raw['is_causal']!r} for {MUSE_ASSISTANT}; expected absent or false "
             "(the assistant's block attention is always bidirectional)")
     has_theta = raw.get("rope_theta") is not None or (raw.get("rope_parameters") or {}).get("rope_theta") is not None
-    theta = _rope_theta(raw, source) if has_theta else MUSE_ASSISTANT_ROPE_THETA
+    theta = rope_theta_of(raw, source) if has_theta else MUSE_ASSISTANT_ROPE_THETA
     return [False] * len(layer_window), [w + 1 if w else None for w in layer_window], theta
 
 
-def load_draft_config(draft_dir: str | Path, target: TargetConfig | None = None) -> DraftConfig:
+def load_draft_config(draft_dir: str | Path, target=None) -> DraftConfig:
     path, raw = read_config_json(draft_dir)
     return resolve_draft_config(raw, target, source=str(path))
 
 
-def check_pairing(draft: DraftConfig, target: TargetConfig) -> None:
+def check_pairing(draft: DraftConfig, target) -> None:
     """Refuse a draft that cannot read this target's states (names both values)."""
     where = f"{draft.source} vs {target.source}"
     if draft.hidden_size != target.hidden_size:

@@ -1,16 +1,16 @@
 """Tensor inventories (spec §2.1, §2.2): every tensor a checkpoint must hold, with its shape,
 what it may hold besides, and what it holds that is ignored by name.
 
-    expected = expected_target_tensors(cfg)      # or expected_draft_tensors(cfg, vocab)
+    expected = family.expected_tensors(cfg)     # or expected_draft_tensors(cfg, vocab)
     checkpoint.require(expected)                 # Missing / Unexpected / TensorShapeError
     expected.ignored(checkpoint.names())         # name -> why it is not read
 
-Each target family builds its own from its config (config_muse, models/qwen3_5_config).
+Each target family builds its own from its config (families/*.py).
 """
 
 from __future__ import annotations
 
-from .config import DraftConfig, TargetConfig
+from .config import DraftConfig
 
 
 class ExpectedTensors(dict):
@@ -20,47 +20,31 @@ class ExpectedTensors(dict):
     next to tied embeddings; selector tensors when the caller did not ask for them).
     `notes`: name -> why the shape is what it is, appended to a TensorShapeError.
     `ignored_prefixes`: prefix -> why; every tensor under such a prefix is tolerated and never
-    read (a vision tower, a built-in MTP head), and `inspect` lists it as ignored BY NAME."""
+    read (a vision tower, a built-in MTP head), and `inspect` lists it as ignored BY NAME.
+    `layouts`: groups of alternative spellings of the same weights (a MoE layer's experts as
+    per-expert tensors or as one fused [E, ...] tensor): [(what, [alternative {name: shape}, ...])].
+    `pick(names)` resolves each group to the alternative the file holds (the first alternative
+    when it holds none, so a missing tensor is named in the first spelling)."""
 
-    def __init__(self, shapes=(), optional=(), notes=None, ignored_prefixes=None):
+    def __init__(self, shapes=(), optional=(), notes=None, ignored_prefixes=None, layouts=None):
         super().__init__(shapes)
         self.optional = set(optional)
         self.notes = dict(notes or {})
         self.ignored_prefixes = dict(ignored_prefixes or {})
+        self.layouts = list(layouts or [])
+
+    def pick(self, names) -> "ExpectedTensors":
+        """A copy with every layout group resolved against the tensor names of a file."""
+        names = set(names)
+        out = ExpectedTensors(self, self.optional, self.notes, self.ignored_prefixes)
+        for _what, alternatives in self.layouts:
+            chosen = next((alt for alt in alternatives if any(n in names for n in alt)), alternatives[0])
+            out.update(chosen)
+        return out
 
     def ignored(self, names) -> dict[str, str]:
         """name -> why, for the given tensor names that fall under an ignored prefix."""
         return {n: why for n in names for p, why in self.ignored_prefixes.items() if n.startswith(p)}
-
-
-def expected_target_tensors(cfg: TargetConfig) -> ExpectedTensors:
-    """Every tensor of a Qwen3 / Llama target with its shape. `lm_head.weight` only when untied."""
-    H, I, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (q_rows, H),
-            p + "self_attn.k_proj.weight": (kv_rows, H),
-            p + "self_attn.v_proj.weight": (kv_rows, H),
-            p + "self_attn.o_proj.weight": (H, q_rows),
-            p + "post_attention_layernorm.weight": (H,),
-            p + "mlp.gate_proj.weight": (I, H),
-            p + "mlp.up_proj.weight": (I, H),
-            p + "mlp.down_proj.weight": (H, I),
-        }
-        if cfg.has_qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
-        # old Llama exports carry the RoPE buffer: shape-checked when present, recomputed, never read
-        shapes[p + "self_attn.rotary_emb.inv_freq"] = (hd // 2,)
-    optional = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_hidden_layers)}
-    shapes["lm_head.weight"] = (V, H)
-    if cfg.tie_word_embeddings:
-        optional.add("lm_head.weight")  # tied: the embedding is the head; a saved copy is harmless
-    notes = {"model.embed_tokens.weight": f"[vocab_size, hidden_size] from {cfg.source}"}
-    return ExpectedTensors(shapes, optional, notes)
 
 
 def expected_draft_tensors(cfg: DraftConfig, vocab_size: int, include_selector: bool = True) -> ExpectedTensors:

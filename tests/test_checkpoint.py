@@ -16,7 +16,8 @@ import pytest
 from safetensors.numpy import save_file as np_save_file
 
 from dflash2_numba.checkpoint import open_checkpoint, read_header
-from dflash2_numba.config import load_target_config, resolve_draft_config
+from dflash2_numba.config import resolve_draft_config
+from dflash2_numba.families.qwen3 import load_target_config
 from dflash2_numba.inventory import expected_draft_tensors
 from dflash2_numba.errors import (
     CheckpointNotFoundError,

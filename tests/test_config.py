@@ -16,15 +16,9 @@ from pathlib import Path
 import pytest
 
 from dflash2_numba.checkpoint import open_checkpoint
-from dflash2_numba.config import (
-    build_target_layer_ids,
-    check_pairing,
-    load_draft_config,
-    load_target_config,
-    resolve_draft_config,
-    resolve_target_config,
-)
-from dflash2_numba.inventory import expected_draft_tensors, expected_target_tensors
+from dflash2_numba.config import build_target_layer_ids, check_pairing, load_draft_config, resolve_draft_config
+from dflash2_numba.families.qwen3 import expected_target_tensors, load_target_config, resolve_target_config
+from dflash2_numba.inventory import expected_draft_tensors
 from dflash2_numba.errors import (
     AttentionSinkBiasError,
     CheckpointNotFoundError,

@@ -405,7 +405,7 @@ def test_target_with_device_resident_kv_cache(tiny_pair):
     copies on the device), crop, verify block; logits equal those of a host-cache run on the
     same ops and are close to the CPU's."""
     import dflash2_numba as dn
-    from dflash2_numba.models.target import KVCache
+    from dflash2_numba.models.base import KVCache
 
     t, _ = tiny_pair
     gpu, cpu = dn.load_target(t, device="cuda"), dn.load_target(t)

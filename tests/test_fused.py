@@ -33,7 +33,7 @@ from dflash2_numba import tiny
 from dflash2_numba.decode.warmup import parallel_threshold
 from dflash2_numba.kernels import fused
 from dflash2_numba.models.draft import load_draft
-from dflash2_numba.models.target import TargetModel
+from dflash2_numba.families.qwen3 import TargetModel
 
 PREFILL = 11
 

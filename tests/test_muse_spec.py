@@ -21,13 +21,13 @@ torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not ins
 import dflash2_numba as dn
 from dflash2_numba import tiny
 from dflash2_numba.config import check_pairing, resolve_draft_config
-from dflash2_numba.config_muse import check_muse_pairing, resolve_muse_config
+from dflash2_numba.families.muse_glimmer import check_muse_pairing, resolve_muse_config
 from dflash2_numba.decode.sampling import SamplingParams
 from dflash2_numba.errors import PairingError, UnsupportedConfigError
 from dflash2_numba.inspect_model import inspect_model
 from dflash2_numba.kernels.cuda_ops import cuda_available
 from dflash2_numba.models.draft import DFlashDraft
-from dflash2_numba.models.muse_glimmer import MuseGlimmerTarget
+from dflash2_numba.families.muse_glimmer import MuseGlimmerTarget
 
 from draft_reference import check_greedy_equals_target_only, check_seeded_sampling
 from muse_fixtures import (H, MASK_ID, build_muse, hf_assistant, prompt, read_config, write_assistant,

@@ -24,11 +24,11 @@ from safetensors.numpy import load_file, save_file
 import dflash2_numba as dn
 from decode_doubles import rowwise_ops
 from dflash2_numba import tiny
-from dflash2_numba.config_muse import resolve_muse_config
+from dflash2_numba.families.muse_glimmer import resolve_muse_config
 from dflash2_numba.errors import ConfigError, MissingTensorsError, UnsupportedConfigError
 from dflash2_numba.families import target_family
 from dflash2_numba.inspect_model import format_inspect, inspect_model
-from dflash2_numba.models.muse_glimmer import MuseGlimmerTarget
+from dflash2_numba.families.muse_glimmer import MuseGlimmerTarget
 
 from hf_bf16_reference import hf_bf16_pinned
 from muse_fixtures import (CASES, H, IMAGE_ID, VIDEO_ID, hf_greedy, hf_logits_and_taps, hf_target, prompt,

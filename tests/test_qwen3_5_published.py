@@ -26,8 +26,8 @@ import dflash2_numba as dn
 from dflash2_numba import tiny
 from dflash2_numba.checkpoint import open_checkpoint
 from dflash2_numba.inspect_model import format_inspect, inspect_model
-from dflash2_numba.models.qwen3_5 import Qwen3_5Model
-from dflash2_numba.models.qwen3_5_config import expected_qwen3_5_tensors
+from dflash2_numba.families.qwen3_5 import Qwen3_5Model
+from dflash2_numba.families.qwen3_5 import expected_qwen3_5_tensors
 from dflash2_numba.tiny_hybrid import write_qwen3_5_target
 
 from qwen3_5_fixtures import VISION, _randomise, hf_greedy, load_hf

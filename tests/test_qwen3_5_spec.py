@@ -21,8 +21,8 @@ from dflash2_numba.decode.drafter import OracleDrafter
 from dflash2_numba.decode.sampling import SamplingParams
 from dflash2_numba.models.draft import load_draft
 from dflash2_numba.models.hybrid_cache import REPLAY_ROWS
-from dflash2_numba.models.qwen3_5 import Qwen3_5Model
-from dflash2_numba.models.qwen3_5_config import resolve_qwen3_5_config
+from dflash2_numba.families.qwen3_5 import Qwen3_5Model
+from dflash2_numba.families.qwen3_5 import resolve_qwen3_5_config
 
 from decode_doubles import rowwise_ops
 from draft_reference import check_greedy_equals_target_only

@@ -33,8 +33,8 @@ from safetensors.numpy import load_file, save_file
 from dflash2_numba.errors import (ConfigError, MissingTensorsError, TensorShapeError, UnexpectedTensorsError,
                                   UnsupportedConfigError)
 from dflash2_numba.families import target_family
-from dflash2_numba.models.qwen3_5 import Qwen3_5Model
-from dflash2_numba.models.qwen3_5_config import resolve_qwen3_5_config
+from dflash2_numba.families.qwen3_5 import Qwen3_5Model
+from dflash2_numba.families.qwen3_5 import resolve_qwen3_5_config
 
 from hf_bf16_reference import hf_bf16_pinned
 from qwen3_5_fixtures import H, LAYERS, V, build_hf_qwen3_5, hf_forward, hf_greedy, load_hf

@@ -50,7 +50,7 @@ from dflash2_numba.errors import (
     UnexpectedTensorsError,
 )
 from dflash2_numba.kernels.backend import get_ops
-from dflash2_numba.models.target import TargetModel
+from dflash2_numba.families.qwen3 import TargetModel
 
 from hf_bf16_reference import hf_bf16_pinned
 

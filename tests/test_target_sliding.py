@@ -15,8 +15,8 @@ pytest.importorskip("transformers", reason="transformers (the [test] extra) is n
 from test_target_hf import H, LAYERS, PROMPT, TAPS, build_hf_model, greedy, hf_forward, hf_greedy, load_hf, run_blocks
 from transformers import Qwen3Config
 
-from dflash2_numba.config import resolve_target_config
-from dflash2_numba.models.target import TargetModel
+from dflash2_numba.families.qwen3 import resolve_target_config
+from dflash2_numba.families.qwen3 import TargetModel
 
 torch.set_num_threads(1)
 

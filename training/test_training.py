@@ -261,8 +261,9 @@ def test_shipped_assets_load_through_the_package():
     """The shipped directories pass the package's own config resolution, pairing checks and
     tensor inventories (names, shapes), and the drafts are bf16."""
     from dflash2_numba.checkpoint import open_checkpoint
-    from dflash2_numba.config import check_pairing, load_draft_config, load_target_config
-    from dflash2_numba.inventory import expected_draft_tensors, expected_target_tensors
+    from dflash2_numba.config import check_pairing, load_draft_config
+    from dflash2_numba.families.qwen3 import expected_target_tensors, load_target_config
+    from dflash2_numba.inventory import expected_draft_tensors
     tcfg = load_target_config(ASSETS / "target")
     tck = open_checkpoint(ASSETS / "target")
     expected = expected_target_tensors(tcfg)

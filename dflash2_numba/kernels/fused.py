@@ -211,6 +211,43 @@ def _write_kv(kbuf, vbuf, start, k, v):
 
 
 # ------------------------------------------------------------------ the layer
+@njit(inline="always")
+def attention_half(h, wqkv, wo, ln1, q_norm, k_norm, att_proj, att_base, kbuf, vbuf, start, q_pos, k_pos, cos, sin,
+                   nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, causal, window, eps,
+                   par_min_macs, parallel, bf16):
+    """h = h + conv_finish(attention(rope(qk_norm(q, k)), K, V) Wo^T) with q, k, v from
+    conv_prepare(rms(h, ln1)) (no conv when att_proj is empty), in place on h [n, H]; writes
+    the block's K/V into kbuf / vbuf. The first half of every fused layer (the MoE layer of
+    kernels/fused_moe.py too)."""
+    n, H = h.shape
+    has_conv = weight_size(att_proj) > 0
+    if start + n > kbuf.shape[1] or start + n > vbuf.shape[1] or k_pos.shape[0] > kbuf.shape[1]:
+        raise ValueError("decoder_layer: the K/V buffer has no room for the block (reserve first)")
+    a = _rms(h, ln1, eps, bf16)  # [n, H]
+    if has_conv:
+        a, d_att = _conv_prepare(a, att_proj, att_base, taps, group_size, block_len, and_arm != 0,
+                                 par_min_macs, parallel, bf16)
+    qkv = _linear(a, wqkv, panel_columns(wqkv), par_min_macs, parallel, bf16)  # [n, q | k | v padded]
+    q = np.ascontiguousarray(qkv[:, :nh * hd]).reshape(n * nh, hd)  # [n*nh, hd]
+    k = np.ascontiguousarray(qkv[:, k_at:k_at + nkv * hd]).reshape(n * nkv, hd)  # [n*nkv, hd]
+    v = np.ascontiguousarray(qkv[:, v_at:v_at + nkv * hd]).reshape(n, nkv, hd)  # [n, nkv, hd]
+    if q_norm.size > 0:  # per-head RMSNorm over hd, before RoPE
+        q = _rms(q, q_norm, eps, bf16)
+        k = _rms(k, k_norm, eps, bf16)
+    qr = np.empty((n, nh, hd), np.float32)  # [n, nh, hd]
+    kr = np.empty((n, nkv, hd), np.float32)  # [n, nkv, hd]
+    _rope_rows(q.reshape(n, nh, hd), cos, sin, _runtime_bool(bf16), qr)
+    _rope_rows(k.reshape(n, nkv, hd), cos, sin, _runtime_bool(bf16), kr)
+    _write_kv(kbuf, vbuf, start, kr, v)
+
+    o = _attention(qr, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, parallel, bf16)  # [n, nh, hd]
+    _rnd(o, bf16)
+    y = _linear(o.reshape(n, nh * hd), wo, H, par_min_macs, parallel, bf16)  # [n, H]
+    if has_conv:
+        y = _conv(y, d_att, att_base[1], group_size, block_len, and_arm != 0, bf16)
+    _add_residual(h, y, bf16)
+
+
 def _make_decoder_layer(bf16: bool, parallel: bool):
     """The decoder layer kernel for one run mode (bf16) and thread policy (parallel: may a
     product go parallel); both are closure constants, folded before typing (module docstring)."""
@@ -226,32 +263,9 @@ def _make_decoder_layer(bf16: bool, parallel: bool):
         n, H = h.shape
         inter = in_features(wd)  # I: the down projection's input features
         has_conv = weight_size(att_proj) > 0
-        if start + n > kbuf.shape[1] or start + n > vbuf.shape[1] or k_pos.shape[0] > kbuf.shape[1]:
-            raise ValueError("decoder_layer: the K/V buffer has no room for the block (reserve first)")
-
-        a = _rms(h, ln1, eps, bf16)  # [n, H]
-        if has_conv:
-            a, d_att = _conv_prepare(a, att_proj, att_base, taps, group_size, block_len, and_arm != 0,
-                                     par_min_macs, parallel, bf16)
-        qkv = _linear(a, wqkv, panel_columns(wqkv), par_min_macs, parallel, bf16)  # [n, q | k | v padded]
-        q = np.ascontiguousarray(qkv[:, :nh * hd]).reshape(n * nh, hd)  # [n*nh, hd]
-        k = np.ascontiguousarray(qkv[:, k_at:k_at + nkv * hd]).reshape(n * nkv, hd)  # [n*nkv, hd]
-        v = np.ascontiguousarray(qkv[:, v_at:v_at + nkv * hd]).reshape(n, nkv, hd)  # [n, nkv, hd]
-        if q_norm.size > 0:  # per-head RMSNorm over hd, before RoPE
-            q = _rms(q, q_norm, eps, bf16)
-            k = _rms(k, k_norm, eps, bf16)
-        qr = np.empty((n, nh, hd), np.float32)  # [n, nh, hd]
-        kr = np.empty((n, nkv, hd), np.float32)  # [n, nkv, hd]
-        _rope_rows(q.reshape(n, nh, hd), cos, sin, _runtime_bool(bf16), qr)
-        _rope_rows(k.reshape(n, nkv, hd), cos, sin, _runtime_bool(bf16), kr)
-        _write_kv(kbuf, vbuf, start, kr, v)
-
-        o = _attention(qr, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, parallel, bf16)  # [n, nh, hd]
-        _rnd(o, bf16)
-        y = _linear(o.reshape(n, nh * hd), wo, H, par_min_macs, parallel, bf16)  # [n, H]
-        if has_conv:
-            y = _conv(y, d_att, att_base[1], group_size, block_len, and_arm != 0, bf16)
-        _add_residual(h, y, bf16)
+        attention_half(h, wqkv, wo, ln1, q_norm, k_norm, att_proj, att_base, kbuf, vbuf, start, q_pos, k_pos, cos,
+                       sin, nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, causal, window, eps,
+                       par_min_macs, parallel, bf16)
 
         m = _rms(h, ln2, eps, bf16)  # [n, H]
         if has_conv:

@@ -24,7 +24,8 @@ import numpy as np
 from ..decode.step import run_draft
 from .draft import DFlashDraft
 from .layers import in_row_chunks
-from .target import Span, TargetModel, forward_ids
+from ..families.qwen3 import TargetModel
+from .base import Span, forward_ids
 
 
 def batches_target(target) -> bool:

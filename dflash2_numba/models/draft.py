@@ -38,7 +38,7 @@ from ..kernels import fused
 from ..numerics import as_f32
 from .layers import RopeTables, in_row_chunks, mlp, rnd_if
 from .selector import _top_k_rows
-from .target import KVCache
+from .base import KVCache
 
 N_SLOT_CANDIDATES = 8  # candidates per mask slot listed in Proposal.info["slots"] (v1)
 

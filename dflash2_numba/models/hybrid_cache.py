@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .target import KVCache
+from .base import KVCache
 
 # most rows kept replayable (>= any verify block Q); each costs (2 Hk dk + Hv dv + 2 Hv + C) f32
 # per GDN layer

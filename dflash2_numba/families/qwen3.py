@@ -1,5 +1,8 @@
-"""Qwen3 / Llama target model over a croppable KV cache, with hidden taps (spec §2.1, §5).
+"""The Qwen3 / Llama family (`Qwen3ForCausalLM`, `LlamaForCausalLM`): config, tensor inventory
+and the target model over a croppable KV cache, with hidden taps (spec §2.1, §5). Its model is
+also the base the other families build on (their `_layer`, `embed_input`, `logits` differ).
 
+    cfg    = resolve_target_config(raw, source)                 # TargetConfig, HF key names
     target = TargetModel.load(model_dir, device="cpu", dtype="f32")
     cache  = target.new_cache(max_len)
     logits, taps = target.forward(ids, cache, tap_layers=(1, 3))   # prefill / verify / decode
@@ -9,10 +12,11 @@
 returns logits for every row (row i predicts position cache.length+i+1) and, if asked, the
 residual stream after each layer in `tap_layers` (HF `hidden_states[l+1]`), concatenated.
 
-Layer (pre-norm): h += o_proj(attn(rms(h))); h += down(silu(gate(m)) * up(m)), m = rms(h).
+Layer (pre-norm): h += o_proj(attn(rms(h))); h += mlp_i(m), m = rms(h); the dense MLP is
+down(silu(gate(m)) * up(m)); a family with experts overrides `_mlp_block` (families/qwen3_moe.py).
 Qwen3 applies q_norm / k_norm per head before RoPE; Llama has neither.
 
-Sliding-window layers (Qwen3 `use_sliding_window` / `layer_types`, resolved in config.py as
+Sliding-window layers (Qwen3 `use_sliding_window` / `layer_types`, resolved below as
 transformers does): query t sees key s iff 0 <= t - s < W, i.e. the attention kernel's
 `causal=True, window=W`. The cache keeps every position (commit stays a length change); the
 window only masks.
@@ -20,65 +24,167 @@ window only masks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..config import TargetConfig, load_target_config
-from ..inventory import expected_target_tensors
-from ..errors import GenerationArgumentError
+from ..config import (LAYER_TYPES, DecoderDims, decoder_dims, read_config_json, refuse_rope_scaling,
+                      rope_theta_of)
+from ..config_checks import get_bool, get_float, get_int, get_str, token_ids
+from ..config_checks import architecture_of
+from ..errors import ConfigValueError, GenerationArgumentError, UnknownArchitectureError, UnsupportedConfigError
+from ..inventory import ExpectedTensors
 from ..kernels import fused
 from ..kernels.backend import Ops, get_ops
+from ..models.base import KVCache, Span, forward_ids
+from ..models.layers import RopeTables, embedding, mlp, rnd_if
 from ..numerics import DTYPE_MODES, as_f32
-from .layers import RopeTables, embedding, mlp, rnd_if
+
+TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 
 
-class KVCache:
-    """Per-layer keys/values of positions 0..length-1: k, v [L, nkv, max_len, hd] f32.
-
-    Positions >= length are scratch: `forward` writes there, then bumps `length`; `commit(n)`
-    just lowers `length` (rejected drafts are overwritten by the next forward). The buffer
-    doubles when a forward would run past max_len.
-
-    `zeros` allocates the buffers: `np.zeros` on the CPU, `ops.zeros` (a device-resident
-    DeviceBuffer) on CUDA, so the cache stays on the GPU across steps without a model fork."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int = 256,
-                 zeros=np.zeros):
-        shape = (num_layers, num_kv_heads, max(1, int(max_len)), head_dim)
-        self.zeros = zeros
-        self.k = zeros(shape, dtype=np.float32)
-        self.v = zeros(shape, dtype=np.float32)
-        self.length = 0
+# ---------------------------------------------------------------- config
+@dataclass(frozen=True)
+class TargetConfig(DecoderDims):
+    architecture: str  # architectures[0]
+    model_type: str
+    vocab_size: int
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_id: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    source: str = "config.json"
+    # per layer: None = full causal attention, W = causal sliding window (key s visible from
+    # query t iff 0 <= t - s < W, as HF's sliding_window_overlay); all None unless configured
+    layer_window: tuple[int | None, ...] = ()
+    sliding_window: int | None = None  # resolved (None unless use_sliding_window)
 
     @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
-    def reserve(self, n: int) -> None:
-        """Make room for n more positions (copies into a bigger buffer if needed)."""
-        need = self.length + n
-        if need <= self.max_len:
-            return
-        new_len = max(need, 2 * self.max_len)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = self.zeros(old.shape[:2] + (new_len,) + old.shape[3:], dtype=np.float32)
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
-
-    def commit(self, n: int) -> None:
-        """Keep positions 0..n-1 (n <= length): after a verify forward, n = the anchor's position
-        + accepted rows + 1. The one call the decode loop makes on a target cache of any layer
-        kind; a KV cache just lowers `length` (rejected rows are overwritten next time)."""
-        if not 0 <= n <= self.length:
-            raise ValueError(f"{type(self).__name__}.commit({n}): cache holds {self.length} positions")
-        self.length = int(n)
+    def has_qk_norm(self) -> bool:  # Qwen3 (dense and MoE) normalises per head before RoPE; Llama does not
+        return self.architecture.startswith("Qwen3")
 
 
+def resolve_target_config(raw: dict, source: str = "config.json") -> TargetConfig:
+    arch = architecture_of(raw, source)
+    if arch not in TARGET_ARCHITECTURES:
+        raise UnknownArchitectureError(
+            f"{source}: architectures[0] = {arch!r}; supported targets: {', '.join(TARGET_ARCHITECTURES)}"
+        )
+    return TargetConfig(**attention_stack_fields(raw, arch, source))
+
+
+def attention_stack_fields(raw: dict, arch: str, source: str) -> dict:
+    """The TargetConfig fields of a Qwen3 / Llama-style attention stack (the MoE family reads the
+    same keys, then its own): refusals for what has no path here (biases, other activations,
+    RoPE scaling), geometry, RoPE, windows, token ids."""
+    for key in ("attention_bias", "mlp_bias"):
+        if get_bool(raw, key, source, default=False):
+            raise UnsupportedConfigError(f"{source}: {key} = true is not supported (no bias path)")
+    if get_str(raw, "hidden_act", source, default="silu") != "silu":
+        raise UnsupportedConfigError(f"{source}: hidden_act = {raw['hidden_act']!r}; only 'silu'")
+    refuse_rope_scaling(raw, source)
+    dims = decoder_dims(raw, source)
+    windows, sliding_window = _target_windows(raw, arch, dims["num_hidden_layers"], source)
+    return dict(
+        architecture=arch,
+        model_type=get_str(raw, "model_type", source, default=""),
+        **dims,
+        vocab_size=get_int(raw, "vocab_size", source, minimum=1),
+        rope_theta=rope_theta_of(raw, source),
+        tie_word_embeddings=get_bool(raw, "tie_word_embeddings", source, default=False),
+        max_position_embeddings=get_int(raw, "max_position_embeddings", source, default=32768, minimum=1),
+        eos_token_id=token_ids(raw.get("eos_token_id"), "eos_token_id", source),
+        bos_token_id=get_int(raw, "bos_token_id", source, default=None, minimum=0),
+        source=source,
+        layer_window=windows,
+        sliding_window=sliding_window,
+    )
+
+
+
+def _layer_types(raw: dict, n_layers: int, source: str) -> list[str] | None:
+    """`layer_types` as given (None when absent): a list of n_layers known names."""
+    types = raw.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list):
+        raise ConfigValueError(f"{source}: layer_types = {types!r:.200}, expected a JSON list")
+    if len(types) != n_layers:
+        raise ConfigValueError(f"{source}: layer_types has {len(types)} entries, expected "
+                               f"num_hidden_layers = {n_layers}")
+    for i, t in enumerate(types):
+        if t not in LAYER_TYPES:
+            raise ConfigValueError(f"{source}: layer_types[{i}] = {t!r}, expected one of {', '.join(LAYER_TYPES)}")
+    return types
+
+
+def _target_windows(raw: dict, arch: str, n_layers: int, source: str):
+    """Per-layer sliding windows of a Qwen3 target, resolved as transformers' Qwen3Config does:
+    sliding_window counts only with use_sliding_window (default 4096 when the key is absent);
+    without layer_types, layers i >= max_window_layers slide. Llama has no sliding path in HF
+    (the keys are ignored there, and here). -> (layer_window tuple, resolved sliding_window)."""
+    if not arch.startswith("Qwen3"):  # Llama: no sliding path
+        return (None,) * n_layers, None
+    use = get_bool(raw, "use_sliding_window", source, default=False)
+    window = get_int(raw, "sliding_window", source, default=None, minimum=1) if "sliding_window" in raw else 4096
+    if use and window is None:
+        raise ConfigValueError(f"{source}: use_sliding_window = true but sliding_window = null: "
+                               "no window to slide (give sliding_window >= 1, or set use_sliding_window false)")
+    window = window if use else None
+    max_window_layers = get_int(raw, "max_window_layers", source, default=28, minimum=0)
+    types = _layer_types(raw, n_layers, source)
+    if types is None:
+        types = ["sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
+                 for i in range(n_layers)]
+    if "sliding_attention" in types and window is None:
+        raise ConfigValueError(
+            f"{source}: layer_types has sliding_attention layers but use_sliding_window = {use} and "
+            f"sliding_window = {raw.get('sliding_window')!r} give no window; transformers would run them "
+            "with full attention, which is not what layer_types says")
+    return tuple(window if t == "sliding_attention" else None for t in types), window
+
+
+def load_target_config(model_dir: str | Path) -> TargetConfig:
+    path, raw = read_config_json(model_dir)
+    return resolve_target_config(raw, source=str(path))
+
+
+
+# ---------------------------------------------------------------- tensors
+def expected_target_tensors(cfg: TargetConfig) -> ExpectedTensors:
+    """Every tensor of a Qwen3 / Llama target with its shape. `lm_head.weight` only when untied."""
+    H, I, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q_rows, H),
+            p + "self_attn.k_proj.weight": (kv_rows, H),
+            p + "self_attn.v_proj.weight": (kv_rows, H),
+            p + "self_attn.o_proj.weight": (H, q_rows),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        }
+        if cfg.has_qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        # old Llama exports carry the RoPE buffer: shape-checked when present, recomputed, never read
+        shapes[p + "self_attn.rotary_emb.inv_freq"] = (hd // 2,)
+    optional = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_hidden_layers)}
+    shapes["lm_head.weight"] = (V, H)
+    if cfg.tie_word_embeddings:
+        optional.add("lm_head.weight")  # tied: the embedding is the head; a saved copy is harmless
+    notes = {"model.embed_tokens.weight": f"[vocab_size, hidden_size] from {cfg.source}"}
+    return ExpectedTensors(shapes, optional, notes)
+
+
+# ---------------------------------------------------------------- model
 class TargetModel:
     """Attributes: config (TargetConfig), checkpoint (Checkpoint), ops (Ops), dtype ("f32" |
     "bf16"), valid_vocab (int).
@@ -96,7 +202,7 @@ class TargetModel:
         self.bf16 = dtype == "bf16"
         self.rope = RopeTables(config.head_dim, config.rope_theta, self.bf16)  # cos/sin by position
         self.valid_vocab = config.vocab_size
-        checkpoint.require(expected_target_tensors(config))
+        checkpoint.require(self.expected_tensors(config))
         c, get, w = config, checkpoint.get, ops.prepare_weight
 
         self.embed_table = get("model.embed_tokens.weight")  # [V, H] stays uint16: rows on demand
@@ -115,13 +221,23 @@ class TargetModel:
                 "ln1": as_f32(get(p + "input_layernorm.weight")),  # [H]
                 "ln2": as_f32(get(p + "post_attention_layernorm.weight")),  # [H]
                 **{n: w(get(p + f"self_attn.{n}_proj.weight")) for n in ("q", "k", "v", "o")},
-                **{n: w(get(p + f"mlp.{n}_proj.weight")) for n in ("gate", "up", "down")},
+                **self._load_mlp(i, p + "mlp."),
             }
             if c.has_qk_norm:
                 layer["q_norm"] = as_f32(get(p + "self_attn.q_norm.weight"))  # [hd]
                 layer["k_norm"] = as_f32(get(p + "self_attn.k_norm.weight"))  # [hd]
             self.layers.append(layer)
         self._fused_layers = self._fuse_layers()
+
+    def _load_mlp(self, i: int, p: str) -> dict:
+        """Layer i's MLP weights (names under p = 'model.layers.{i}.mlp.'): the dense SwiGLU here;
+        the MoE families return their experts instead (families/qwen3_moe.py)."""
+        get, w = self.checkpoint.get, self.ops.prepare_weight
+        return {n: w(get(p + f"{n}_proj.weight")) for n in ("gate", "up", "down")}
+
+    def _mlp_block(self, i: int, layer: dict, m: np.ndarray, linear) -> np.ndarray:
+        """Layer i's MLP on the normed m [n, H] -> [n, H], op by op with `linear`."""
+        return mlp(m, layer["gate"], layer["up"], layer["down"], linear, self.bf16, self.ops.swiglu)
 
     # ------------------------------------------------------------------ the fused engine
     fused = True  # False: every layer runs op by op (the reference the fused engine is tested against)
@@ -133,25 +249,34 @@ class TargetModel:
         override `_layer` and never reach it."""
         if self.ops.device != "cpu":
             return None
-        c, out = self.config, []
-        no_norm = np.empty(0, np.float32)
-        if not all(fused.can_fuse(1, tuple(L[n] for n in ("q", "k", "v", "o", "gate", "up", "down")))
-                   for L in self.layers):
+        out = [self._fuse_layer(i, L) for i, L in enumerate(self.layers)]
+        return None if any(args is None for args in out) else out
+
+    def _fuse_layer(self, i: int, L: dict):
+        """(weights, norms, conv) of fused.decoder_layer for layer i, or None if it cannot fuse;
+        sets `_fused_shape` (the same in every layer)."""
+        if not fused.can_fuse(1, tuple(L[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))):
             return None
-        for L in self.layers:
-            weights, offsets = fused.fuse_weights(L)  # the same offsets in every layer
-            norms = (L["ln1"], L["ln2"], L.get("q_norm", no_norm), L.get("k_norm", no_norm))
-            out.append((weights, norms, fused.NO_CONV))
+        c, no_norm = self.config, np.empty(0, np.float32)
+        weights, offsets = fused.fuse_weights(L)
+        norms = (L["ln1"], L["ln2"], L.get("q_norm", no_norm), L.get("k_norm", no_norm))
         self._fused_shape = fused.layer_args(c.num_attention_heads, c.num_key_value_heads, c.head_dim, offsets)
-        return out
+        return weights, norms, fused.NO_CONV
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "f32", quantize: str | None = None,
              keep_head: bool = False) -> "TargetModel":
         """Read config.json + safetensors (single or sharded), validate the tensor inventory
         (MissingTensorsError / UnexpectedTensorsError / TensorShapeError), pick the kernels."""
-        config = load_target_config(model_dir)
+        path, raw = read_config_json(model_dir)
+        config = cls.resolve_config(raw, str(path))
         return cls(config, open_checkpoint(model_dir), get_ops(device, quantize, keep_head), dtype)
+
+    quantizable = True  # --quantize q8_0 / q4_0 applies (every linear weight goes through ops.prepare_weight)
+
+    # the family's config resolver and tensor inventory (a family built on this model overrides both)
+    resolve_config = staticmethod(resolve_target_config)
+    expected_tensors = staticmethod(expected_target_tensors)
 
     # ------------------------------------------------------------------ pieces (also used by drafts)
     def new_cache(self, max_len: int = 256) -> KVCache:
@@ -264,27 +389,4 @@ class TargetModel:
         h = rnd_if(h + rnd_if(linear(o, layer["o"]), bf16), bf16)  # [n, H]
 
         m = ops.rms_norm(h, layer["ln2"], eps, bf16)  # [n, H]
-        return rnd_if(h + mlp(m, layer["gate"], layer["up"], layer["down"], linear, bf16, ops.swiglu), bf16)
-
-
-@dataclass(frozen=True)
-class Span:
-    """One request's rows of a forward: rows `rows` of h sit at positions q_pos [n_r]
-    (cache.length = start ..) and attend to keys k_pos [start + n_r] of its own cache."""
-    cache: object
-    start: int
-    q_pos: np.ndarray
-    k_pos: np.ndarray
-    rows: slice
-
-
-def forward_ids(ids, tap_layers: Sequence[int], num_layers: int, who: str) -> np.ndarray:
-    """The checks every target's forward makes: ids -> int64 [n] (n >= 1), tap layers in range."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
-    if ids.shape[0] == 0:
-        raise GenerationArgumentError(f"{who}.forward: no token ids given")
-    for l in tap_layers:
-        if not 0 <= l < num_layers:
-            raise GenerationArgumentError(f"tap layer {l} outside 0..{num_layers - 1}")
-    return ids
-
+        return rnd_if(h + self._mlp_block(i, layer, m, linear), bf16)

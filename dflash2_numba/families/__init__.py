@@ -6,7 +6,8 @@ directory gets, decided from its config.json (`architectures[0]` / `model_type`)
     family.expected_tensors(cfg)              # ExpectedTensors for Checkpoint.require / inspect
     family.model_class()                      # imported lazily: .load(dir, device, dtype)
 
-A new architecture is one more `TargetFamily` in FAMILIES; the decode loop never branches on
+A new architecture is one module here (config dataclass named after the HF keys, tensor
+inventory, model) and one more `TargetFamily` in FAMILIES; the decode loop never branches on
 the family (every target offers new_cache / forward / embed / lm_head / final_norm, and its
 cache offers length and commit(n)).
 """
@@ -17,14 +18,13 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import TARGET_ARCHITECTURES, resolve_target_config
-from .config_checks import architecture_of
-from .config_muse import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, expected_muse_tensors,
-                          resolve_muse_config)
-from .errors import UnknownArchitectureError
-from .inventory import expected_target_tensors
-from .models.qwen3_5_config import (ARCHITECTURES as QWEN3_5_ARCHITECTURES, describe_qwen3_5,
-                                    expected_qwen3_5_tensors, is_qwen3_5, resolve_qwen3_5_config)
+from ..config_checks import architecture_of
+from ..errors import UnknownArchitectureError
+from .muse_glimmer import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, expected_muse_tensors,
+                           resolve_muse_config)
+from .qwen3 import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
+from .qwen3_5 import (ARCHITECTURES as QWEN3_5_ARCHITECTURES, describe_qwen3_5, expected_qwen3_5_tensors,
+                      is_qwen3_5, resolve_qwen3_5_config)
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,14 @@ FAMILIES: list[TargetFamily] = [
         matches=lambda raw: _arch(raw) in TARGET_ARCHITECTURES,
         resolve=lambda raw, source: resolve_target_config(raw, source=source),
         expected_tensors=expected_target_tensors,
-        model=".models.target:TargetModel",
+        model=".qwen3:TargetModel",
     ),
     TargetFamily(
         name="muse-glimmer",
         matches=lambda raw: raw.get("model_type") in MUSE_MODEL_TYPES or _arch(raw) in MUSE_ARCHITECTURES,
         resolve=lambda raw, source: resolve_muse_config(raw, source=source),
         expected_tensors=expected_muse_tensors,
-        model=".models.muse_glimmer:MuseGlimmerTarget",
+        model=".muse_glimmer:MuseGlimmerTarget",
         describe=describe_muse,
     ),
     TargetFamily(  # hybrid Gated DeltaNet + gated attention (Qwen3.5 / Qwen3.8 dense)
@@ -67,7 +67,7 @@ FAMILIES: list[TargetFamily] = [
         matches=is_qwen3_5,  # also claims Qwen3.5-MoE / Qwen3-Next, to refuse them by name
         resolve=lambda raw, source: resolve_qwen3_5_config(raw, source),
         expected_tensors=expected_qwen3_5_tensors,
-        model=".models.qwen3_5:Qwen3_5Model",
+        model=".qwen3_5:Qwen3_5Model",
         describe=describe_qwen3_5,
     ),
 ]

@@ -1,0 +1,77 @@
+"""What every target family's model shares (mlx-lm's `base.py`): the croppable KV cache, the
+span of a request's rows in a batched forward, and the argument checks of `forward`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import GenerationArgumentError
+
+
+class KVCache:
+    """Per-layer keys/values of positions 0..length-1: k, v [L, nkv, max_len, hd] f32.
+
+    Positions >= length are scratch: `forward` writes there, then bumps `length`; `commit(n)`
+    just lowers `length` (rejected drafts are overwritten by the next forward). The buffer
+    doubles when a forward would run past max_len.
+
+    `zeros` allocates the buffers: `np.zeros` on the CPU, `ops.zeros` (a device-resident
+    DeviceBuffer) on CUDA, so the cache stays on the GPU across steps without a model fork."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int = 256,
+                 zeros=np.zeros):
+        shape = (num_layers, num_kv_heads, max(1, int(max_len)), head_dim)
+        self.zeros = zeros
+        self.k = zeros(shape, dtype=np.float32)
+        self.v = zeros(shape, dtype=np.float32)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, n: int) -> None:
+        """Make room for n more positions (copies into a bigger buffer if needed)."""
+        need = self.length + n
+        if need <= self.max_len:
+            return
+        new_len = max(need, 2 * self.max_len)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = self.zeros(old.shape[:2] + (new_len,) + old.shape[3:], dtype=np.float32)
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def commit(self, n: int) -> None:
+        """Keep positions 0..n-1 (n <= length): after a verify forward, n = the anchor's position
+        + accepted rows + 1. The one call the decode loop makes on a target cache of any layer
+        kind; a KV cache just lowers `length` (rejected rows are overwritten next time)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"{type(self).__name__}.commit({n}): cache holds {self.length} positions")
+        self.length = int(n)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One request's rows of a forward: rows `rows` of h sit at positions q_pos [n_r]
+    (cache.length = start ..) and attend to keys k_pos [start + n_r] of its own cache."""
+    cache: object
+    start: int
+    q_pos: np.ndarray
+    k_pos: np.ndarray
+    rows: slice
+
+
+def forward_ids(ids, tap_layers: Sequence[int], num_layers: int, who: str) -> np.ndarray:
+    """The checks every target's forward makes: ids -> int64 [n] (n >= 1), tap layers in range."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
+    if ids.shape[0] == 0:
+        raise GenerationArgumentError(f"{who}.forward: no token ids given")
+    for l in tap_layers:
+        if not 0 <= l < num_layers:
+            raise GenerationArgumentError(f"tap layer {l} outside 0..{num_layers - 1}")
+    return ids
+
