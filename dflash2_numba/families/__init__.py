@@ -23,6 +23,8 @@ from ..errors import UnknownArchitectureError
 from .muse_glimmer import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, expected_muse_tensors,
                            resolve_muse_config)
 from .qwen3 import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
+from .qwen3_moe import ARCHITECTURE as QWEN3_MOE_ARCHITECTURE, expected_qwen3_moe_tensors, is_qwen3_moe, \
+    resolve_qwen3_moe_config
 from .qwen3_5 import (ARCHITECTURES as QWEN3_5_ARCHITECTURES, describe_qwen3_5, expected_qwen3_5_tensors,
                       is_qwen3_5, resolve_qwen3_5_config)
 
@@ -54,6 +56,13 @@ FAMILIES: list[TargetFamily] = [
         expected_tensors=expected_target_tensors,
         model=".qwen3:TargetModel",
     ),
+    TargetFamily(  # Qwen3-30B-A3B, Qwen3-Coder-30B-A3B
+        name="qwen3_moe",
+        matches=is_qwen3_moe,
+        resolve=lambda raw, source: resolve_qwen3_moe_config(raw, source=source),
+        expected_tensors=expected_qwen3_moe_tensors,
+        model=".qwen3_moe:Qwen3MoeModel",
+    ),
     TargetFamily(
         name="muse-glimmer",
         matches=lambda raw: raw.get("model_type") in MUSE_MODEL_TYPES or _arch(raw) in MUSE_ARCHITECTURES,
@@ -78,7 +87,8 @@ def target_family(raw: dict, source: str = "config.json") -> TargetFamily:
     for family in FAMILIES:
         if family.matches(raw):
             return family
-    supported = sorted({*TARGET_ARCHITECTURES, *MUSE_ARCHITECTURES, *QWEN3_5_ARCHITECTURES.values()})
+    supported = sorted({*TARGET_ARCHITECTURES, QWEN3_MOE_ARCHITECTURE, *MUSE_ARCHITECTURES,
+                        *QWEN3_5_ARCHITECTURES.values()})
     raise UnknownArchitectureError(
         f"{source}: architectures[0] = {_arch(raw)!r}, model_type = {raw.get('model_type')!r}; "
         f"supported targets: {', '.join(supported)}")

@@ -31,11 +31,11 @@ FINGERPRINT_FILE = "dflash2_kernel_sources.sha256"
 
 
 def _kernel_modules():
-    from . import attention, conv, fused, gdn, linear, panels, rowwise
+    from . import attention, conv, fused, fused_moe, gdn, linear, panels, routing, rowwise
     from ..models import selector  # its top-K / walk kernels are cached too
     from ..quant import kernels_int8, weights
 
-    return attention, conv, fused, gdn, linear, panels, rowwise, selector, kernels_int8, weights
+    return attention, conv, fused, fused_moe, gdn, linear, panels, routing, rowwise, selector, kernels_int8, weights
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,127 @@
+"""The Qwen mixture-of-experts MLP block, shared by the qwen3_moe and qwen3_5_moe families
+(docs/moe.md). Per token row x [H]:
+
+    p      = softmax(x W_r^T)                   f32 over all E experts (router W_r [E, H])
+    top    = the k largest p (ties: lowest id)  renormalised to sum 1 iff `renormalize`
+    y      = sum over the k experts, in ASCENDING expert id, of w_e * down_e(silu(gate_e x) * up_e x)
+    y     += sigmoid(x W_g^T) * shared(x)       Qwen3.5-MoE only: a dense SwiGLU expert, one gate per row
+
+Expert-major: the R rows of a block (a verify, a draft block, a prefill chunk) are routed
+first, then each selected expert's weights are read ONCE for every row that picked it (one
+product over the gathered rows), and its output is scattered back, scaled by the routing
+weight. A Q-row verify therefore reads the union of its rows' experts, not Q x k experts.
+
+Row invariance (a Q-row verify == Q one-row steps, bit for bit): every product is the panel
+GEMV (one fma chain per output, whatever the rows stacked with it), routing is per row (the
+numba kernel of kernels/routing.py, also used by the op-by-op path, so both paths see the same bits), and each
+row accumulates its k expert outputs in ascending expert id from zero: what other rows picked
+never enters a row's arithmetic. Threads split a product's output columns, never the k experts.
+
+Expert weights, per layer (`ExpertWeights`): gate and up of expert e concatenated into ONE
+[2I, H] weight (first I rows = gate, as the Hub's fused `experts.gate_up_proj [E, 2I, H]` and
+transformers' in-memory layout), down [H, I]; each prepared by the device's ops
+(prepare_weight: bf16 panels, q8_0 / q4_0 integer panels, a device upload). On the CPU the
+experts' panels are also stacked into one array per projection ([E, ...] views re-pointed as
+each expert's `.panels`, no second copy) for the fused layer kernel (kernels/fused_moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kernels.routing import route
+from .layers import rnd_if, swiglu as swiglu_np
+
+
+# ------------------------------------------------------------------ weights
+@dataclass
+class ExpertWeights:
+    """One MoE layer's weights, prepared by the device's ops (module docstring).
+
+    router [E, H]; gate_up[e] [2I, H]; down[e] [H, I]; shared = (gate, up, down) of the shared
+    expert or None; shared_gate [1, H] or None. `stacked` = (gate_up panels [E, ...], down
+    panels [E, ...]) on the CPU when every expert is packed alike, else None."""
+    router: object
+    gate_up: list
+    down: list
+    top_k: int
+    renormalize: bool
+    inter: int  # I, the expert width
+    shared: tuple | None = None
+    shared_gate: object = None
+    stacked: tuple | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+
+def stack_panels(weights: list):
+    """The experts' panels stacked on a new leading axis, each weight's `.panels` re-pointed to
+    its slice (a view: the stack is the only copy). None where a weight has no panels (an f32
+    checkpoint, a CUDA upload) or the experts differ in kind."""
+    parts = [getattr(w, "panels", None) for w in weights]
+    if any(p is None for p in parts):
+        return None
+    if isinstance(parts[0], tuple):  # quantized (qw, ws)
+        if any(not isinstance(p, tuple) or len(p) != len(parts[0]) for p in parts):
+            return None
+        if any(p[i].shape != parts[0][i].shape or p[i].dtype != parts[0][i].dtype for p in parts for i in range(len(p))):
+            return None
+        stack = tuple(_stack([p[i] for p in parts]) for i in range(len(parts[0])))
+        for e, w in enumerate(weights):
+            w.panels = tuple(s[e] for s in stack)
+        return stack
+    if any(isinstance(p, tuple) or p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
+        return None
+    stack = _stack(parts)
+    for e, w in enumerate(weights):
+        w.panels = stack[e]
+    return stack
+
+
+def _stack(arrays: list) -> np.ndarray:
+    """np.stack into one preallocated array, releasing each part as it is copied (the caller's
+    list keeps references, so the copy is only transient per part)."""
+    out = np.empty((len(arrays),) + arrays[0].shape, arrays[0].dtype)
+    for e, a in enumerate(arrays):
+        out[e] = a
+    return out
+
+
+# ------------------------------------------------------------------ the block, op by op
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def moe_mlp(x: np.ndarray, moe: ExpertWeights, linear, bf16: bool = False, swiglu=swiglu_np,
+            counts: dict | None = None) -> np.ndarray:
+    """The MoE block on x [n, H] (already normed) -> [n, H], expert-major with the device's
+    `linear` / `swiglu` (the op-by-op path: any device, any row count; the fused CPU kernel is
+    tested bit-identical to it). `counts`, if given, gets 'experts' += touched experts and
+    'rows' += n (the union statistics of bench/)."""
+    n = x.shape[0]
+    I = moe.inter
+    logits = rnd_if(linear(x, moe.router), bf16)  # [n, E]
+    ids, w = route(logits, moe.top_k, moe.renormalize, bf16)  # [n, k] each
+    out = np.zeros(x.shape, np.float32)  # [n, H]
+    touched = np.unique(ids)  # ascending expert id
+    for e in touched:
+        rows, slots = np.nonzero(ids == e)  # each row picks an expert at most once
+        gu = rnd_if(linear(np.ascontiguousarray(x[rows]), moe.gate_up[e]), bf16)  # [m, 2I]
+        a = swiglu(np.ascontiguousarray(gu[:, :I]), np.ascontiguousarray(gu[:, I:2 * I]), bf16)  # [m, I]
+        y = rnd_if(linear(a, moe.down[e]), bf16)  # [m, H]
+        out[rows] = rnd_if(out[rows] + rnd_if(y * w[rows, slots][:, None], bf16), bf16)
+    if counts is not None:
+        counts["experts"] = counts.get("experts", 0) + len(touched)
+        counts["rows"] = counts.get("rows", 0) + n
+    if moe.shared is not None:
+        g, u, d = moe.shared
+        gu = rnd_if(linear(x, g), bf16), rnd_if(linear(x, u), bf16)
+        s = rnd_if(linear(swiglu(gu[0], gu[1], bf16), d), bf16)  # [n, H]
+        gate = rnd_if(sigmoid(rnd_if(linear(x, moe.shared_gate), bf16)), bf16)  # [n, 1]
+        out = rnd_if(out + rnd_if(gate * s, bf16), bf16)
+    return out

@@ -1,0 +1,131 @@
+"""Tiny random mixture-of-experts targets written by transformers itself (save_pretrained), for
+the MoE tests: Qwen3-MoE (per-expert names, as transformers saves them) and Qwen3.5-MoE (inside
+the multimodal wrapper; rewritten into the Hub's fused expert layout). Weights are drawn from
+numpy seeds and rounded to bf16 values, stored as bf16, and run by transformers in float32 with
+the eager experts and attention: the same numbers on both sides, so the CPU fused engine (bf16
+panels) is what gets compared."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch (the [test] extra) is not installed: the HF reference checks need it")
+pytest.importorskip("transformers", reason="transformers (the [test] extra) is not installed: the HF reference checks need it")
+from dflash2_numba import tiny  # noqa: E402
+
+V = 256
+
+
+def _randomise(model, seed: int, router_std: float = 0.5):
+    """Every parameter redrawn: norms away from their identity, routers wide enough that routing
+    differs token to token, projections at 1.5 / sqrt(fan_in)."""
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = tuple(p.shape)
+            if name.endswith("A_log"):
+                val = np.log(rng.uniform(0.5, 4.0, shape))
+            elif name.endswith("dt_bias"):
+                val = rng.standard_normal(shape)
+            elif name.endswith("linear_attn.norm.weight"):
+                val = 1.0 + 0.3 * rng.standard_normal(shape)
+            elif p.ndim == 1:  # Qwen3 norms multiply by w, Qwen3.5 norms by 1 + w: both away from identity
+                val = (1.0 if "qwen3_5" not in type(model).__module__ else 0.0) + 0.3 * rng.standard_normal(shape)
+            elif "conv1d" in name:
+                val = 0.5 * rng.standard_normal(shape)
+            elif "embed_tokens" in name:
+                val = rng.standard_normal(shape)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # routers and the shared gate
+                val = router_std * rng.standard_normal(shape) * (8.0 / np.sqrt(shape[-1]))
+            else:
+                fan_in = shape[-1]
+                val = rng.standard_normal(shape) * (1.5 / np.sqrt(fan_in))
+            bf16 = torch.from_numpy(val.astype(np.float32)).to(torch.bfloat16).to(torch.float32)
+            p.copy_(bf16)  # bf16 values: stored exactly as bf16, run exactly in f32
+    return model
+
+
+def qwen3_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, rope_theta=1e7,
+              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
+def build_qwen3_moe(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny Qwen3MoeForCausalLM saved by transformers (per-expert tensor names), plus the
+    project's tiny tokenizer (for load_target and the drafts' mask token)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = _randomise(Qwen3MoeForCausalLM(qwen3_moe_config(**overrides)), seed)
+    model.to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
+    tiny.write_tokenizer_files(Path(directory), tiny.train_tiny_tokenizer(V), "qwen3", 512, chat_template=False)
+    return Path(directory)
+
+
+def load_hf(directory: Path, cls=None):
+    """transformers' model in float32, eager experts (index_add_ per expert in ascending id) and
+    eager attention: the oracle configuration (grouped_mm sums the k slots in one reduction)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = cls or AutoModelForCausalLM
+    model = cls.from_pretrained(directory, dtype=torch.float32, experts_implementation="eager",
+                                attn_implementation="eager")
+    return model.eval()
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def hf_greedy(model, prompt, n) -> list[int]:
+    """HF greedy by full recomputation (no cache involved)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf_logits(model, ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def fuse_expert_layout(src: Path, dst: Path, prefix: str = "model.layers.") -> Path:
+    """Rewrite a per-expert checkpoint into the fused layout (`experts.gate_up_proj [E, 2I, H]`,
+    gate rows first; `experts.down_proj [E, H, I]`), every other file copied."""
+    import re
+    import shutil
+
+    from dflash2_numba.checkpoint import open_checkpoint
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    ckpt = open_checkpoint(src)
+    tensors = {n: np.array(ckpt.get(n)) for n in ckpt.names()}  # uint16 = bf16 bits
+    out, experts = {}, {}
+    pat = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    for name, t in tensors.items():
+        m = pat.match(name)
+        if m and name.startswith(prefix):
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        else:
+            out[name] = t
+    for base, per in experts.items():
+        E = len(per)
+        out[base + ".gate_up_proj"] = np.stack([np.concatenate([per[e]["gate"], per[e]["up"]]) for e in range(E)])
+        out[base + ".down_proj"] = np.stack([per[e]["down"] for e in range(E)])
+    tiny.save_safetensors(dst / "model.safetensors", out)
+    return dst
+
+
+def config_json(directory: Path) -> dict:
+    return json.loads((Path(directory) / "config.json").read_text())
