@@ -12,8 +12,9 @@ Mutations tried (each turned this file red; see docs/moe.md):
 - top-k THEN softmax over the k selected logits (no renormalisation semantics): [no-norm] red;
 - gate / up halves swapped in the expert (`gu[:, I:]` as the gate): every logits test red;
 - the dense layer (mlp_only_layers) treated as MoE: MissingTensorsError at load (no router);
-- experts summed in slot (probability) order instead of ascending id: test_expert_order_* red
-  (0.833 vs 0.0) and fused != op-by-op.
+- experts summed in slot (probability) order instead of ascending id, op by op: test_expert_order_*
+  red (0.833 vs 0.0); in the fused kernel (descending id): fused != op-by-op on the top-4 model
+  (with k = 2 the order cannot show: a + b == b + a).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from dflash2_numba.kernels.routing import route, route_reference
 from dflash2_numba import tiny
 
 F32_TOL = 1e-4
-CASES = {"norm": dict(norm_topk_prob=True), "no-norm": dict(norm_topk_prob=False, seed=1)}
+CASES = {"norm": dict(norm_topk_prob=True), "no-norm": dict(norm_topk_prob=False, seed=1),
+         "top4": dict(norm_topk_prob=True, num_experts_per_tok=4, seed=2)}  # k > 2: the summation order shows
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def _run_blocks(target, ids, cuts=(20, 21, 25, 30)):
     return np.concatenate(outs)
 
 
-@pytest.mark.parametrize("case", ["norm", "no-norm", "norm-fused-layout"])
+@pytest.mark.parametrize("case", ["norm", "no-norm", "top4", "norm-fused-layout"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_logits_match_hf(models, case, fused):
     d, hf = models[case]
@@ -96,14 +98,15 @@ def test_greedy_identical_to_hf(models, case):
     assert got == want[:len(got)] and (len(got) == 16 or r.finish_reason == "stop"), (got, want)
 
 
+@pytest.mark.parametrize("case", ["norm", "top4"])
 @pytest.mark.parametrize("quantize", [None, "q8_0", "q4_0"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_verify_rows_equal_single_steps_bitwise(models, quantize, dtype):
+def test_verify_rows_equal_single_steps_bitwise(models, quantize, dtype, case):
     """A Q-row verify gives, bit for bit, the logits of Q one-row steps (whatever experts the
     rows share), and the fused MoE layer equals the op-by-op path, on every weight format."""
     if quantize and dtype == "bf16":
         pytest.skip("quantized weights run in f32 mode")
-    d, _ = models["norm"]
+    d, _ = models[case]
     target = dn.load_target(d, quantize=quantize, dtype=dtype)
     ids = _prompt(28, seed=7)
     cache = target.new_cache(64)
