@@ -54,12 +54,10 @@ def load_target(model_dir, device: str = "cpu", dtype: str = "f32", quantize: st
     if quantize is None:
         target = cls.load(model_dir, device=device, dtype=dtype)
     else:
-        from .families.qwen3 import TargetModel
-
-        if not issubclass(cls, TargetModel) or not cls.quantizable:
+        if not getattr(cls, "quantizable", False):
             raise GenerationArgumentError(
-                f"{config_path}: quantize={quantize!r} is implemented for Qwen3 / Llama targets and the "
-                f"MoE families built on them, not {cls.__name__}")
+                f"{config_path}: quantize={quantize!r} is implemented for the Qwen3 / Llama, Qwen3-MoE and "
+                f"Qwen3.5 (dense and MoE) targets, not {cls.__name__}")
         target = cls.load(model_dir, device=device, dtype=dtype, quantize=quantize, keep_head=keep_head)
     target.tokenizer = tok
     # ids >= the tokenizer's size are padding (§2.1); the decode loop masks them to -inf

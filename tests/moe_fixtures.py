@@ -97,6 +97,35 @@ def hf_greedy(model, prompt, n) -> list[int]:
     return ids[len(prompt):]
 
 
+QWEN3_5_TEXT = dict(
+    vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      temporal_patch_size=2, num_position_embeddings=16)
+
+
+def build_qwen3_5_moe(directory: Path, seed: int = 0, fused: bool = True) -> Path:
+    """A tiny Qwen3_5MoeForConditionalGeneration (vision tower included, ignored by the decoder)
+    saved by transformers (per-expert names); fused=True rewrites the experts into the Hub's
+    fused layout under model.language_model."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = Qwen3_5MoeConfig(text_config=QWEN3_5_TEXT, vision_config=QWEN3_5_VISION, tie_word_embeddings=False)
+    model = _randomise(Qwen3_5MoeForConditionalGeneration(cfg), seed)
+    src = Path(directory) / ("per-expert" if fused else "")
+    model.to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
+    tiny.write_tokenizer_files(src, tiny.train_tiny_tokenizer(V), "qwen3", 512, chat_template=False)
+    if not fused:
+        return src
+    return fuse_expert_layout(src, Path(directory) / "fused", prefix="model.language_model.layers.")
+
+
 def fuse_expert_layout(src: Path, dst: Path, prefix: str = "model.layers.") -> Path:
     """Rewrite a per-expert checkpoint into the fused layout (`experts.gate_up_proj [E, 2I, H]`,
     gate rows first; `experts.down_proj [E, H, I]`), every other file copied."""

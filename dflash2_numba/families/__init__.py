@@ -25,6 +25,8 @@ from .muse_glimmer import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, 
 from .qwen3 import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
 from .qwen3_moe import ARCHITECTURE as QWEN3_MOE_ARCHITECTURE, expected_qwen3_moe_tensors, is_qwen3_moe, \
     resolve_qwen3_moe_config
+from .qwen3_5_moe import ARCHITECTURES as QWEN3_5_MOE_ARCHITECTURES, expected_qwen3_5_moe_tensors, \
+    is_qwen3_5_moe, resolve_qwen3_5_moe_config
 from .qwen3_5 import (ARCHITECTURES as QWEN3_5_ARCHITECTURES, describe_qwen3_5, expected_qwen3_5_tensors,
                       is_qwen3_5, resolve_qwen3_5_config)
 
@@ -71,6 +73,14 @@ FAMILIES: list[TargetFamily] = [
         model=".muse_glimmer:MuseGlimmerTarget",
         describe=describe_muse,
     ),
+    TargetFamily(  # the hybrid with experts (Qwen3.5-35B-A3B, Qwen3.6-35B-A3B); before qwen3_5, which claims the rest
+        name="qwen3_5_moe",
+        matches=is_qwen3_5_moe,
+        resolve=lambda raw, source: resolve_qwen3_5_moe_config(raw, source),
+        expected_tensors=expected_qwen3_5_moe_tensors,
+        model=".qwen3_5_moe:Qwen3_5MoeModel",
+        describe=describe_qwen3_5,
+    ),
     TargetFamily(  # hybrid Gated DeltaNet + gated attention (Qwen3.5 / Qwen3.8 dense)
         name="qwen3_5",
         matches=is_qwen3_5,  # also claims Qwen3.5-MoE / Qwen3-Next, to refuse them by name
@@ -88,7 +98,7 @@ def target_family(raw: dict, source: str = "config.json") -> TargetFamily:
         if family.matches(raw):
             return family
     supported = sorted({*TARGET_ARCHITECTURES, QWEN3_MOE_ARCHITECTURE, *MUSE_ARCHITECTURES,
-                        *QWEN3_5_ARCHITECTURES.values()})
+                        *QWEN3_5_ARCHITECTURES.values(), *QWEN3_5_MOE_ARCHITECTURES.values()})
     raise UnknownArchitectureError(
         f"{source}: architectures[0] = {_arch(raw)!r}, model_type = {raw.get('model_type')!r}; "
         f"supported targets: {', '.join(supported)}")

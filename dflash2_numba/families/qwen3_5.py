@@ -8,7 +8,7 @@ with gated full attention (docs/targets/qwen3_5.md). Same interface as models/ta
 
 Layer i (pre-norm, every norm zero-centred: x * rsqrt(mean x^2 + eps) * (1 + w)):
     h += mixer_i(norm(h))    mixer = gdn (linear_attention) | gated attention (full_attention)
-    h += mlp_i(norm(h))      the dense SwiGLU MLP; a MoE would be another `mlp` callable
+    h += mlp_i(norm(h))      the dense SwiGLU MLP (Qwen3.5-MoE: experts, families/qwen3_5_moe.py)
 Taps are the residual stream after layer l whatever its kind (HF hidden_states[l+1]).
 
 Config resolution and tensor inventory (formerly models/qwen3_5_config.py):
@@ -48,11 +48,11 @@ from ..numerics import DTYPE_MODES, as_f32, round_bf16_array
 
 MULTIMODAL, TEXT = "qwen3_5", "qwen3_5_text"
 ARCHITECTURES = {MULTIMODAL: "Qwen3_5ForConditionalGeneration", TEXT: "Qwen3_5ForCausalLM"}
-PREFIXES = {MULTIMODAL: "model.language_model.", TEXT: "model."}
+# where the text stack's weights live, per model_type (the MoE family's two spellings too)
+PREFIXES = {MULTIMODAL: "model.language_model.", TEXT: "model.",
+            "qwen3_5_moe": "model.language_model.", "qwen3_5_moe_text": "model."}
 # what the family carries but this decoder does not build: refused by name
 REFUSED_MODEL_TYPES = {
-    "qwen3_5_moe": "Qwen3.5-MoE (mixture-of-experts MLP)",
-    "qwen3_5_moe_text": "Qwen3.5-MoE (mixture-of-experts MLP)",
     "qwen3_next": "Qwen3-Next (mixture-of-experts MLP, fused in_proj_qkvz / in_proj_ba)",
 }
 IGNORED_PREFIXES = {
@@ -330,7 +330,7 @@ class Qwen3_5Model:
         self.bf16 = dtype == "bf16"
         self.rope = RopeTables(config.rotary_dim, config.rope_theta, self.bf16)  # partial RoPE tables
         self.valid_vocab = config.vocab_size
-        checkpoint.require(expected_qwen3_5_tensors(config))
+        checkpoint.require(self.expected_tensors(config))
         c, get, w, P = config, checkpoint.get, ops.prepare_weight, config.prefix
 
         def plus_one(name):  # zero-centred norm weights are stored as w, used as 1 + w
@@ -338,13 +338,14 @@ class Qwen3_5Model:
 
         self.embed_table = get(P + "embed_tokens.weight")  # [V, H] rows on demand
         self.norm_w1 = plus_one(P + "norm.weight")  # [H]
-        self.lm_head_w = w(self.embed_table if c.tie_word_embeddings else get("lm_head.weight"))  # [V, H]
+        head = getattr(ops, "prepare_head", None) or w  # quantized like the rest unless kept as stored (CPU)
+        self.lm_head_w = head(self.embed_table if c.tie_word_embeddings else get("lm_head.weight"))  # [V, H]
         self.layers = []
         for i, kind in enumerate(c.layer_types):
             p = f"{P}layers.{i}."
             layer = {"kind": kind, "ln1": plus_one(p + "input_layernorm.weight"),
                      "ln2": plus_one(p + "post_attention_layernorm.weight"),
-                     "mlp": {n: w(get(p + f"mlp.{n}_proj.weight")) for n in ("gate", "up", "down")}}
+                     "mlp": self._load_mlp(i, p + "mlp.")}
             if kind == "full_attention":
                 a = p + "self_attn."
                 layer |= {n: w(get(a + f"{n}_proj.weight")) for n in ("q", "k", "v", "o")}
@@ -359,10 +360,21 @@ class Qwen3_5Model:
                           "norm": as_f32(get(g + "norm.weight"))}  # [dv] plain weight (init 1)
             self.layers.append(layer)
 
+    def _load_mlp(self, i: int, p: str) -> dict:
+        """Layer i's MLP weights under p = '...layers.{i}.mlp.' (the MoE family returns experts)."""
+        get, w = self.checkpoint.get, self.ops.prepare_weight
+        return {n: w(get(p + f"{n}_proj.weight")) for n in ("gate", "up", "down")}
+
+    quantizable = True  # --quantize q8_0 / q4_0: every linear weight goes through ops.prepare_weight
+    resolve_config = staticmethod(resolve_qwen3_5_config)
+    expected_tensors = staticmethod(expected_qwen3_5_tensors)
+
     @classmethod
-    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "f32") -> "Qwen3_5Model":
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "f32", quantize: str | None = None,
+             keep_head: bool = False) -> "Qwen3_5Model":
         path, raw = read_config_json(model_dir)
-        return cls(resolve_qwen3_5_config(raw, str(path)), open_checkpoint(model_dir), get_ops(device), dtype)
+        return cls(cls.resolve_config(raw, str(path)), open_checkpoint(model_dir), get_ops(device, quantize, keep_head),
+                   dtype)
 
     # ------------------------------------------------------------------ pieces (also used by drafts)
     def new_cache(self, max_len: int = 256) -> HybridCache:
@@ -403,7 +415,7 @@ class Qwen3_5Model:
                 mixed = self._gdn(i, layer, x, cache)
             h = rnd_if(h + mixed, self.bf16)  # [n, H]
             m = zero_centred_rms_norm(self.ops, h, layer["ln2"], c.rms_norm_eps, self.bf16)
-            h = rnd_if(h + self._mlp(layer["mlp"], m), self.bf16)  # [n, H]
+            h = rnd_if(h + self._mlp(layer["mlp"], m), self.bf16)  # [n, H] (dense or MoE)
             for j, l in enumerate(tap_layers):
                 if l == i:
                     taps[:, j * H : (j + 1) * H] = h
@@ -413,7 +425,7 @@ class Qwen3_5Model:
         return self.lm_head(self.final_norm(h)), taps
 
     def _mlp(self, p, x):
-        """The dense SwiGLU MLP [n, H] -> [n, H] (the seam for a MoE MLP)."""
+        """The dense SwiGLU MLP [n, H] -> [n, H] (families/qwen3_5_moe.py overrides it)."""
         return mlp(x, p["gate"], p["up"], p["down"], self.ops.linear, self.bf16, self.ops.swiglu)
 
     def _attention(self, i, layer, x, cache, start):
