@@ -23,10 +23,10 @@ from ..errors import UnknownArchitectureError
 from .muse_glimmer import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, expected_muse_tensors,
                            resolve_muse_config)
 from .qwen3 import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
-from .qwen3_moe import ARCHITECTURE as QWEN3_MOE_ARCHITECTURE, expected_qwen3_moe_tensors, is_qwen3_moe, \
-    resolve_qwen3_moe_config
-from .qwen3_5_moe import ARCHITECTURES as QWEN3_5_MOE_ARCHITECTURES, expected_qwen3_5_moe_tensors, \
-    is_qwen3_5_moe, resolve_qwen3_5_moe_config
+from .qwen3_moe import (ARCHITECTURE as QWEN3_MOE_ARCHITECTURE, describe_qwen3_moe, expected_qwen3_moe_tensors,
+                        is_qwen3_moe, resolve_qwen3_moe_config)
+from .qwen3_5_moe import (ARCHITECTURES as QWEN3_5_MOE_ARCHITECTURES, describe_qwen3_5_moe,
+                          expected_qwen3_5_moe_tensors, is_qwen3_5_moe, resolve_qwen3_5_moe_config)
 from .qwen3_5 import (ARCHITECTURES as QWEN3_5_ARCHITECTURES, describe_qwen3_5, expected_qwen3_5_tensors,
                       is_qwen3_5, resolve_qwen3_5_config)
 
@@ -64,6 +64,7 @@ FAMILIES: list[TargetFamily] = [
         resolve=lambda raw, source: resolve_qwen3_moe_config(raw, source=source),
         expected_tensors=expected_qwen3_moe_tensors,
         model=".qwen3_moe:Qwen3MoeModel",
+        describe=describe_qwen3_moe,
     ),
     TargetFamily(
         name="muse-glimmer",
@@ -79,7 +80,7 @@ FAMILIES: list[TargetFamily] = [
         resolve=lambda raw, source: resolve_qwen3_5_moe_config(raw, source),
         expected_tensors=expected_qwen3_5_moe_tensors,
         model=".qwen3_5_moe:Qwen3_5MoeModel",
-        describe=describe_qwen3_5,
+        describe=describe_qwen3_5_moe,
     ),
     TargetFamily(  # hybrid Gated DeltaNet + gated attention (Qwen3.5 / Qwen3.8 dense)
         name="qwen3_5",

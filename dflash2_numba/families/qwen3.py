@@ -38,7 +38,7 @@ from ..errors import ConfigValueError, GenerationArgumentError, UnknownArchitect
 from ..inventory import ExpectedTensors
 from ..kernels import fused
 from ..kernels.backend import Ops, get_ops
-from ..models.base import KVCache, Span, forward_ids
+from ..models.base import KVCache, LoadProgress, Span, forward_ids
 from ..models.layers import RopeTables, embedding, mlp, rnd_if
 from ..numerics import DTYPE_MODES, as_f32
 
@@ -214,7 +214,7 @@ class TargetModel:
             self.lm_head_w = head(get("lm_head.weight"))  # [V, H]
         # per layer: 0 = full causal attention, W = causal sliding window of W positions
         self.layer_windows = [int(w or 0) for w in (c.layer_window or (None,) * c.num_hidden_layers)]
-        self.layers = []
+        self.layers, progress = [], LoadProgress(checkpoint, c.num_hidden_layers)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             layer = {
@@ -227,6 +227,7 @@ class TargetModel:
                 layer["q_norm"] = as_f32(get(p + "self_attn.q_norm.weight"))  # [hd]
                 layer["k_norm"] = as_f32(get(p + "self_attn.k_norm.weight"))  # [hd]
             self.layers.append(layer)
+            progress.layer_done(i)
         self._fused_layers = self._fuse_layers()
 
     def _load_mlp(self, i: int, p: str) -> dict:

@@ -41,7 +41,7 @@ from ..config_checks import bos_token_id as _bos_token_id, check_float, get_bool
 from ..errors import ConfigError, GenerationArgumentError, UnknownArchitectureError, UnsupportedConfigError
 from ..inventory import ExpectedTensors
 from ..kernels.backend import Ops, get_ops
-from ..models.base import forward_ids
+from ..models.base import LoadProgress, forward_ids
 from ..models.hybrid_cache import HybridCache
 from ..models.layers import RopeTables, embedding, mlp, rnd_if, silu
 from ..numerics import DTYPE_MODES, as_f32, round_bf16_array
@@ -340,7 +340,7 @@ class Qwen3_5Model:
         self.norm_w1 = plus_one(P + "norm.weight")  # [H]
         head = getattr(ops, "prepare_head", None) or w  # quantized like the rest unless kept as stored (CPU)
         self.lm_head_w = head(self.embed_table if c.tie_word_embeddings else get("lm_head.weight"))  # [V, H]
-        self.layers = []
+        self.layers, progress = [], LoadProgress(checkpoint, c.num_hidden_layers)
         for i, kind in enumerate(c.layer_types):
             p = f"{P}layers.{i}."
             layer = {"kind": kind, "ln1": plus_one(p + "input_layernorm.weight"),
@@ -359,6 +359,7 @@ class Qwen3_5Model:
                           "dt_bias": as_f32(get(g + "dt_bias")),  # [Hv]
                           "norm": as_f32(get(g + "norm.weight"))}  # [dv] plain weight (init 1)
             self.layers.append(layer)
+            progress.layer_done(i)
 
     def _load_mlp(self, i: int, p: str) -> dict:
         """Layer i's MLP weights under p = '...layers.{i}.mlp.' (the MoE family returns experts)."""

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from ..config_checks import get_int
 from ..inventory import ExpectedTensors
 from ..kernels.panels import pack_bf16
-from ..models.moe import ExpertWeights, moe_mlp
-from .qwen3_5 import Qwen3_5Config, Qwen3_5Model, expected_qwen3_5_tensors, hybrid_fields, text_config
+from ..models.moe import ExpertWeights, moe_facts, moe_mlp, moe_summary_lines
+from .qwen3_5 import (Qwen3_5Config, Qwen3_5Model, describe_qwen3_5, expected_qwen3_5_tensors, hybrid_fields,
+                      text_config)
 from .qwen3_moe import expert_layouts, load_experts, num_experts
 
 MULTIMODAL, TEXT = "qwen3_5_moe", "qwen3_5_moe_text"
@@ -77,6 +78,13 @@ def expected_qwen3_5_moe_tensors(c: Qwen3_5MoeConfig) -> ExpectedTensors:
         notes[p + "gate.weight"] = f"the router: [num_experts, hidden_size] = [{E}, {H}]"
         layouts.append((f"layer {i} experts", expert_layouts(p, E, H, I)))
     return ExpectedTensors(shapes, base.optional, notes, base.ignored_prefixes, layouts)
+
+
+def describe_qwen3_5_moe(c: Qwen3_5MoeConfig) -> dict:
+    """inspect's family facts: the hybrid's schedule and state sizes, then the MoE sizes."""
+    hybrid = describe_qwen3_5(c)
+    facts = moe_facts(expected_qwen3_5_moe_tensors(c), c.num_experts, c.num_experts_per_tok, c.tie_word_embeddings)
+    return {**hybrid, **facts, "summary_lines": hybrid["summary_lines"] + moe_summary_lines(facts)}
 
 
 class Qwen3_5MoeModel(Qwen3_5Model):

@@ -22,6 +22,8 @@ use_sliding_window is true (no max_window_layers / layer_types here), and so doe
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +34,8 @@ from ..inventory import ExpectedTensors
 from ..kernels import fused, fused_moe
 from ..kernels.panels import pack_bf16
 from ..models.base import Span
-from ..models.moe import ExpertWeights, moe_mlp, stack_panels
+from ..quant.weights import release_pages
+from ..models.moe import ExpertWeights, moe_facts, moe_mlp, moe_summary_lines, stack_panels
 from .qwen3 import TargetConfig, TargetModel, attention_stack_fields, expected_target_tensors
 
 ARCHITECTURE, MODEL_TYPE = "Qwen3MoeForCausalLM", "qwen3_moe"
@@ -133,23 +136,41 @@ def expected_qwen3_moe_tensors(c: Qwen3MoeConfig) -> ExpectedTensors:
     return ExpectedTensors(shapes, base.optional, notes, base.ignored_prefixes, layouts)
 
 
-def load_experts(checkpoint, p: str, E: int, I: int, prepare) -> tuple[list, list, tuple | None]:
+def describe_qwen3_moe(c: Qwen3MoeConfig) -> dict:
+    """inspect's family facts: total / active parameters and the bytes a token reads per format."""
+    facts = moe_facts(expected_qwen3_moe_tensors(c), c.num_experts, c.num_experts_per_tok, c.tie_word_embeddings)
+    return {**facts, "moe_layers": c.moe_layers, "summary_lines": moe_summary_lines(facts)}
+
+
+def load_experts(checkpoint, p: str, E: int, I: int, prepare, workers: int | None = None) -> tuple[list, list, tuple | None]:
     """One layer's experts (either spelling) -> (gate_up [E] of [2I, H], down [E] of [H, I],
-    their stacked panels or None), each prepared with `prepare` one expert at a time."""
+    their stacked panels or None), each prepared with `prepare` (a quantizer: numpy, which
+    releases the GIL) on `workers` threads (default: the CPU count), a few experts at a time."""
     get, names = checkpoint.get, checkpoint.tensors
     fused_file = p + "experts.gate_up_proj" in names
     if fused_file:
         gu_all, down_all = get(p + "experts.gate_up_proj"), get(p + "experts.down_proj")  # [E, 2I, H], [E, H, I]
-    gate_up, down = [], []
-    for e in range(E):
+
+    def one(e):
         if fused_file:
-            gu, d = gu_all[e], down_all[e]  # views of the memory map
+            sources = gu, d = gu_all[e], down_all[e]  # views of the memory map
         else:
             q = f"{p}experts.{e}."
-            gu = np.concatenate([get(q + "gate_proj.weight"), get(q + "up_proj.weight")])  # [2I, H]
-            d = get(q + "down_proj.weight")
-        gate_up.append(prepare(gu))
-        down.append(prepare(d))
+            sources = get(q + "gate_proj.weight"), get(q + "up_proj.weight"), get(q + "down_proj.weight")
+            gu, d = np.concatenate(sources[:2]), sources[2]  # [2I, H] (a copy), [H, I]
+        out = prepare(gu), prepare(d)
+        if not any(isinstance(w, np.ndarray) for w in out):  # quantized: the file's pages are not needed again
+            for s in sources:
+                release_pages(s)
+        return out
+
+    workers = workers or os.cpu_count() or 1
+    if workers > 1 and E > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            pairs = list(pool.map(one, range(E)))
+    else:
+        pairs = [one(e) for e in range(E)]
+    gate_up, down = [a for a, _ in pairs], [b for _, b in pairs]
     return gate_up, down, _stacks(gate_up, down)
 
 

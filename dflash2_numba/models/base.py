@@ -3,6 +3,8 @@ span of a request's rows in a batched forward, and the argument checks of `forwa
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -75,3 +77,27 @@ def forward_ids(ids, tap_layers: Sequence[int], num_layers: int, who: str) -> np
             raise GenerationArgumentError(f"tap layer {l} outside 0..{num_layers - 1}")
     return ids
 
+
+
+PROGRESS_MIN_BYTES = 1 << 30  # checkpoints from this size on report their load on stderr
+
+
+class LoadProgress:
+    """One stderr line, rewritten per layer, while a big checkpoint loads (quantizing a 30B MoE
+    takes minutes): `loading DIR: layer i/L, x.x GiB of y.y GiB read, t s`. Silent for small
+    checkpoints (tests, the embedded pair)."""
+
+    def __init__(self, checkpoint, num_layers: int, stream=None):
+        self.total = sum(t.end - t.begin for t in checkpoint.tensors.values())
+        self.loud = self.total >= PROGRESS_MIN_BYTES
+        self.where, self.num_layers, self.t0 = checkpoint.directory, num_layers, time.perf_counter()
+        self.stream = stream or sys.stderr
+        self.layer_bytes = self.total / max(1, num_layers)
+
+    def layer_done(self, i: int) -> None:
+        if not self.loud:
+            return
+        done = (i + 1) * self.layer_bytes / 2**30
+        print(f"\rloading {self.where}: layer {i + 1}/{self.num_layers}, ~{done:.1f} of {self.total / 2**30:.1f} GiB, "
+              f"{time.perf_counter() - self.t0:.0f} s", end="" if i + 1 < self.num_layers else "\n",
+              file=self.stream, flush=True)

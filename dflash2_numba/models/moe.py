@@ -125,3 +125,45 @@ def moe_mlp(x: np.ndarray, moe: ExpertWeights, linear, bf16: bool = False, swigl
         gate = rnd_if(sigmoid(rnd_if(linear(x, moe.shared_gate), bf16)), bf16)  # [n, 1]
         out = rnd_if(out + rnd_if(gate * s, bf16), bf16)
     return out
+
+
+# ------------------------------------------------------------------ sizes (inspect, bench)
+def moe_facts(expected, num_experts: int, top_k: int, tied: bool) -> dict:
+    """Parameters and bytes of a MoE target from its inventory (ExpectedTensors, per-expert
+    spelling): total and active-per-token parameters (every tensor but the E - k experts a
+    token does not pick), and per weight format the bytes one decoded token reads (every matrix
+    it uses, the embedding as one row, unpicked experts not at all)."""
+    from ..quant.formats import FORMATS, matrix_bytes_per_weight
+
+    shapes = expected.pick([])
+    unused = (num_experts - top_k) / num_experts
+    total = active = 0.0
+    read = {fmt: 0.0 for fmt in ("bf16",) + FORMATS}
+    for name, shape in shapes.items():
+        if name in expected.optional and not (name == "lm_head.weight" and not tied):
+            continue
+        n = float(np.prod(shape))
+        share = (1.0 - unused) if ".experts." in name else 1.0
+        total += n
+        active += n * share
+        for fmt in read:
+            per = matrix_bytes_per_weight(name, shape, fmt)
+            if name.endswith("embed_tokens.weight"):
+                read[fmt] += shape[1] * 2 * (0 if tied else 1)  # one bf16 row (tied: the head reads it all)
+                if tied:
+                    read[fmt] += n * per
+            else:
+                read[fmt] += n * share * (4 if per is None else per)
+    return {"total_parameters": int(total), "active_parameters_per_token": int(active),
+            "num_experts": num_experts, "experts_per_token": top_k,
+            "bytes_read_per_token": {fmt: int(b) for fmt, b in read.items()}}
+
+
+def moe_summary_lines(facts: dict) -> list[str]:
+    from ..config import human_bytes
+
+    per_tok = ", ".join(f"{fmt} {human_bytes(b)}" for fmt, b in facts["bytes_read_per_token"].items())
+    return [f"mixture of experts: {facts['num_experts']} experts, {facts['experts_per_token']} per token; "
+            f"parameters {facts['total_parameters'] / 1e9:.2f} B total, "
+            f"{facts['active_parameters_per_token'] / 1e9:.2f} B active per token",
+            f"weights read per decoded token: {per_tok}"]

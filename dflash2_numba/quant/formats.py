@@ -133,11 +133,25 @@ def resident_bytes_per_weight(fmt: str) -> float:
     return (1.0 if fmt == "q8_0" else 0.5) + 4 / BLOCK
 
 
-def resident_bytes(tensors: list[dict], ignored, tied: bool, embed: str = "model.embed_tokens.weight") -> dict:
+def is_router(name: str) -> bool:
+    """A MoE router or shared-expert gate: kept as stored (bf16 panels) whatever --quantize says,
+    as llama.cpp keeps ffn_gate_inp unquantized (a quantized router moves the top-k choice)."""
+    return name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+
+
+def matrix_bytes_per_weight(name: str, shape, fmt: str) -> float | None:
+    """Bytes per parameter a loaded tensor holds in `fmt` (None: not a matrix: norms and other
+    1-D tensors stay f32). Matrices are 2-D, and MoE experts 3-D ([E, out, in])."""
+    if len(shape) == 2 or (len(shape) == 3 and ".experts." in name):
+        return 2.0 if is_router(name) else resident_bytes_per_weight(fmt)
+    return None
+
+
+def resident_bytes(tensors: list[dict], ignored, tied: bool, embed: str = "embed_tokens.weight") -> dict:
     """{format: bytes} a target's weights keep resident once loaded, from inspect's tensor list
-    ([{name, dtype, shape}]): every 2-D matrix in the format (the lm_head included), the untied
-    embedding not at all (rows are read from the memory-mapped file on demand), the rest
-    (norms, 1-D) as f32."""
+    ([{name, dtype, shape}]): every matrix in the format (the lm_head and MoE experts included;
+    routers as stored), the untied embedding (any name ending in `embed`) not at all (rows are
+    read from the memory-mapped file on demand), the rest (norms, 1-D) as f32."""
     out = {}
     for fmt in ("bf16",) + FORMATS:
         total = 0.0
@@ -145,9 +159,10 @@ def resident_bytes(tensors: list[dict], ignored, tied: bool, embed: str = "model
             if t["name"] in ignored:
                 continue
             n = int(np.prod(t["shape"], dtype=np.int64))
-            if len(t["shape"]) != 2:
+            per = matrix_bytes_per_weight(t["name"], t["shape"], fmt)
+            if per is None:
                 total += 4 * n
-            elif t["name"] != embed or tied:
-                total += resident_bytes_per_weight(fmt) * n
+            elif not t["name"].endswith(embed) or tied:
+                total += per * n
         out[fmt] = int(total)
     return out

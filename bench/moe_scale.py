@@ -1,0 +1,197 @@
+"""A Qwen3-30B-A3B-shaped MoE target at real scale without a download: loading, peak memory and
+decode speed against the machine's read bandwidth.
+
+    python bench/moe_scale.py [--dir /tmp/qwen3-30b-a3b-sparse] [--quantize q4_0] [--tokens 16]
+        [--threads 2] [--out bench/results/moe_scale_q4_0.json]
+
+1. Writes (once) a SPARSE checkpoint with Qwen3-Coder-30B-A3B-Instruct's exact config.json
+   (tests/data/moe/), the Hub's tensor names (per-expert `mlp.experts.E.{gate,up,down}_proj`,
+   router `mlp.gate`), shapes and 16 shards with model.safetensors.index.json: 61 GB apparent,
+   every tensor zero (holes in the files) except the embedding and the head (random, so each
+   decoded token differs and routes differently), the routers (random: 8 of 128 experts per
+   token, different per token) and the norms (ones). A tiny tokenizer is written beside it (the
+   decode below feeds token ids).
+2. In a fresh process: load_target(dir, quantize=...) (quantized at load, layer by layer, the
+   bf16 pages handed back: quant/weights.release_pages), getrusage's PEAK resident set and the
+   load time; then a greedy decode of --tokens tokens over the KV cache after a 16-token prompt
+   (one row per step: the fused MoE layer), seconds per token.
+3. The machine's read bandwidth at the same thread count (bench/bandwidth.py), and the bytes a
+   decoded token reads at the format (models/moe.moe_facts: attention, the 8 picked experts per
+   layer, the router, the head, one embedding row) x tok/s as a fraction of it.
+Records the CPU, the instruction-set path (kernels/isa.py) and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+CONFIG = ROOT / "tests" / "data" / "moe" / "qwen3-coder-30b-a3b.config.json"
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    from dflash2_numba.numerics import f32_to_bf16_array
+
+    return f32_to_bf16_array(a.astype(np.float32))
+
+
+def write_sparse(out: Path, shards: int = 16, seed: int = 0) -> Path:
+    """The sparse checkpoint (module docstring); returns its directory. Skips when complete."""
+    from dflash2_numba import tiny
+    from dflash2_numba.families.qwen3_moe import expected_qwen3_moe_tensors, resolve_qwen3_moe_config
+
+    raw = json.loads(CONFIG.read_text())
+    cfg = resolve_qwen3_moe_config(raw, str(CONFIG))
+    if (out / "model.safetensors.index.json").exists() and (out / "DONE").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = dict(expected_qwen3_moe_tensors(cfg).pick([]))  # the Hub's per-expert spelling
+    shapes = {n: s for n, s in shapes.items() if not n.endswith("rotary_emb.inv_freq")}
+    names = sorted(shapes, key=lambda n: (int(n.split(".")[2]) if n.startswith("model.layers.") else -1, n))
+    sizes = {n: 2 * int(np.prod(shapes[n])) for n in names}
+    total, per = sum(sizes.values()), sum(sizes.values()) / shards
+    groups, acc = [[]], 0
+    for n in names:
+        if acc >= per * len(groups) and len(groups) < shards:
+            groups.append([])
+        groups[-1].append(n)
+        acc += sizes[n]
+    rng = np.random.default_rng(seed)
+    weight_map = {}
+    for k, group in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for n in group:
+            header[n] = {"dtype": "BF16", "shape": list(shapes[n]), "data_offsets": [offset, offset + sizes[n]]}
+            offset += sizes[n]
+            weight_map[n] = fname
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        base = 8 + len(head)
+        with open(out / fname, "wb") as f:
+            f.write(len(head).to_bytes(8, "little"))
+            f.write(head)
+            f.truncate(base + offset)  # holes: every tensor reads as zeros
+            for n in group:
+                shape, begin = shapes[n], base + header[n]["data_offsets"][0]
+                if n.endswith(("embed_tokens.weight", "lm_head.weight")):
+                    data = _bf16(rng.standard_normal(shape, np.float32) * 0.5)
+                elif n.endswith("mlp.gate.weight"):  # routers: 8 of 128 experts, different per token
+                    data = _bf16(rng.standard_normal(shape, np.float32))
+                elif len(shape) == 1:  # norms
+                    data = np.full(shape, 0x3F80, np.uint16)  # bf16 1.0
+                else:
+                    continue
+                f.seek(begin)
+                f.write(np.ascontiguousarray(data).tobytes())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    tiny.write_tokenizer_files(out, tiny.train_tiny_tokenizer(1000), "qwen3", 4096, chat_template=False)
+    (out / "DONE").write_text("ok\n")
+    return out
+
+
+CHILD = r"""
+import json, resource, sys, time
+import numpy as np
+path, fmt, n_tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+from dflash2_numba.kernels.backend import set_threads
+set_threads(threads)
+import dflash2_numba as dn
+t0 = time.perf_counter()
+target = dn.load_target(path, quantize=None if fmt == "bf16" else fmt)
+load_s = time.perf_counter() - t0
+rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+cache = target.new_cache(64)
+prompt = np.arange(100, 116)
+logits, _ = target.forward(prompt, cache, last_only=True)
+tok = int(np.argmax(logits[-1]))
+ids, times = [tok], []
+for i in range(n_tokens):
+    t = time.perf_counter()
+    logits, _ = target.forward(np.array([tok]), cache)
+    tok = int(np.argmax(logits[-1]))
+    times.append(time.perf_counter() - t)
+    ids.append(tok)
+print(json.dumps({"load_s": load_s, "peak_rss_gib_after_load": rss_after_load,
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                  "step_s": times, "tokens": ids}))
+"""
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/qwen3-30b-a3b-sparse"))
+    ap.add_argument("--quantize", default="q4_0", choices=("q4_0", "q8_0", "bf16"))
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bw-gib", type=float, default=2.0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    out = args.out or HERE / "results" / f"moe_scale_{args.quantize}.json"
+
+    t = time.perf_counter()
+    model = write_sparse(args.dir)
+    write_s = time.perf_counter() - t
+    du = subprocess.run(["du", "-sb", "--apparent-size", str(model)], capture_output=True, text=True).stdout.split()[0]
+    disk = subprocess.run(["du", "-sb", str(model)], capture_output=True, text=True).stdout.split()[0]
+    load_before = os.getloadavg()
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(max(args.threads, 1)))
+    r = subprocess.run([sys.executable, "-c", CHILD, str(model), args.quantize, str(args.tokens), str(args.threads)],
+                       capture_output=True, text=True, env=env, cwd=ROOT)
+    if r.returncode:
+        sys.exit(f"child failed:\n{r.stderr[-4000:]}")
+    child = json.loads(r.stdout.strip().splitlines()[-1])
+    sys.path.insert(0, str(HERE))
+    from bandwidth import read_bandwidth
+    from dflash2_numba.families.qwen3_moe import describe_qwen3_moe, resolve_qwen3_moe_config
+    from dflash2_numba.kernels import isa
+
+    bw = read_bandwidth([args.threads], gib=args.bw_gib)[str(args.threads)]["best_gbs"]
+    facts = describe_qwen3_moe(resolve_qwen3_moe_config(json.loads(CONFIG.read_text())))
+    step = float(np.median(child["step_s"]))
+    bytes_tok = facts["bytes_read_per_token"][args.quantize]
+    result = {
+        "machine": {"cpu": _cpu(), "platform": platform.platform(), "cpu_count": os.cpu_count(), "isa_path": isa.selected(),
+                    "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
+        "checkpoint": {"dir": "OUT (sparse)", "apparent_bytes": int(du), "disk_bytes": int(disk), "write_s": write_s,
+                       "config": str(CONFIG.relative_to(ROOT))},
+        "format": args.quantize, "threads": args.threads,
+        "load_s": child["load_s"], "peak_rss_gib": child["peak_rss_gib"],
+        "peak_rss_gib_after_load": child["peak_rss_gib_after_load"],
+        "decode_step_s_median": step, "tokens_per_s": 1.0 / step, "step_s": child["step_s"],
+        "bytes_read_per_token": bytes_tok, "read_bandwidth_gbs": bw,
+        "weight_gbs": bytes_tok / step / 1e9, "fraction_of_bandwidth": bytes_tok / step / 1e9 / bw,
+        "total_parameters": facts["total_parameters"], "active_parameters_per_token": facts["active_parameters_per_token"],
+        "tokens": child["tokens"],
+    }
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{args.quantize}, {args.threads} thread(s), {result['machine']['cpu']} ({isa.selected()}): load {child['load_s']:.0f} s, "
+          f"peak RSS {child['peak_rss_gib']:.2f} GiB; decode {1 / step:.2f} tok/s x {bytes_tok / 1e9:.2f} GB/token = "
+          f"{bytes_tok / step / 1e9:.1f} GB/s = {result['fraction_of_bandwidth']:.2f} of the measured {bw:.1f} GB/s")
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()
