@@ -28,17 +28,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dflash2_numba.config import DecoderDims
 
-@dataclass
-class DraftSpec:
+
+@dataclass(frozen=True)
+class DraftSpec(DecoderDims):
+    """The draft to train: the package's DecoderDims (hidden_size .. rms_norm_eps) and then the
+    draft's own keys, named as in its config.json."""
     kind: str  # "dflash" | "dflash2"
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
     rope_theta: float
     block_size: int
     mask_token_id: int
