@@ -157,6 +157,7 @@ def main(argv=None):
     sys.path.insert(0, str(HERE))
     from bandwidth import read_bandwidth
     from dflash2_numba.families.qwen3_moe import describe_qwen3_moe, resolve_qwen3_moe_config
+    from acceptance import cpu_model
     from dflash2_numba.kernels import isa
 
     bw = read_bandwidth([args.threads], gib=args.bw_gib)[str(args.threads)]["best_gbs"]
@@ -164,7 +165,7 @@ def main(argv=None):
     step = float(np.median(child["step_s"]))
     bytes_tok = facts["bytes_read_per_token"][args.quantize]
     result = {
-        "machine": {"cpu": _cpu(), "platform": platform.platform(), "cpu_count": os.cpu_count(), "isa_path": isa.selected(),
+        "machine": {"cpu": cpu_model(), "platform": platform.platform(), "cpu_count": os.cpu_count(), "isa_path": isa.selected(),
                     "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
         "checkpoint": {"dir": "OUT (sparse)", "apparent_bytes": int(du), "disk_bytes": int(disk), "write_s": write_s,
                        "config": str(CONFIG.relative_to(ROOT))},
@@ -181,16 +182,6 @@ def main(argv=None):
     print(f"{args.quantize}, {args.threads} thread(s), {result['machine']['cpu']} ({isa.selected()}): load {child['load_s']:.0f} s, "
           f"peak RSS {child['peak_rss_gib']:.2f} GiB; decode {1 / step:.2f} tok/s x {bytes_tok / 1e9:.2f} GB/token = "
           f"{bytes_tok / step / 1e9:.1f} GB/s = {result['fraction_of_bandwidth']:.2f} of the measured {bw:.1f} GB/s")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

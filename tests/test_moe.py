@@ -153,25 +153,29 @@ def test_speculative_greedy_equals_target_only(models, tmp_path, kind, case):
             assert got.stats.steps >= 1
 
 
-def test_sampling_chi_square_on_moe_target(models, tmp_path):
-    """Speculative sampling on the MoE target (a DFlash2 draft, T=1, top-k 4) against the exact
+def speculative_sampling_pvalue(target, draft, n: int = 1500) -> float:
+    """Chi-square p-value of speculative sampling (T = 1, top-k 4, Q = 4) against the exact
     distribution of 3-token continuations enumerated from the target's own logits."""
     from test_sampling import exact_sequence_probs, gof_pvalue
 
     from dflash2_numba.decode.sampling import SamplingParams
 
-    d, _ = models["norm"]
-    target = dn.load_target(d)
-    draft = dn.load_draft(tiny.write_draft(tmp_path / "d2", d, kind="dflash2", block_size=4, seed=1,
-                                                mask_token_id=255), target)
-    params, prompt, n_new, n = SamplingParams(temperature=1.0, top_k=4), [3, 1], 3, 1500
+    params, prompt, n_new = SamplingParams(temperature=1.0, top_k=4), [3, 1], 3
     exact = exact_sequence_probs(target, prompt, n_new, params)
     counts = {}
     for i in range(n):
         r = dn.generate(target, draft, prompt_ids=prompt, max_new_tokens=n_new, block_size=4, temperature=1.0,
                         top_k=4, seed=i)
         counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
-    assert gof_pvalue(counts, exact, n) > 1e-3
+    return gof_pvalue(counts, exact, n)
+
+
+def test_sampling_chi_square_on_moe_target(models, tmp_path):
+    d, _ = models["norm"]
+    target = dn.load_target(d)
+    draft = dn.load_draft(tiny.write_draft(tmp_path / "d2", d, kind="dflash2", block_size=4, seed=1,
+                                           mask_token_id=255), target)
+    assert speculative_sampling_pvalue(target, draft) > 1e-3
 
 
 # ---------------------------------------------------------------- the block alone
