@@ -5,7 +5,7 @@ Cases: f32 (release scalars, W 4), bf16 weights, "stress" (eps 0.3 / post_eps 0.
 multiplier 3 / softcap 1.5, W 3, a sliding layer after a global one) and a tied head. Prompts of
 20 tokens are longer than the window, so the sliding mask binds; the cache is fed in blocks.
 
-Mutations tried on models/muse_glimmer.py and what went red here (see the final report / docs):
+Mutations tried on families/muse_glimmer.py and what went red here (see the final report / docs):
 post norms with rms_norm_eps, softcap before the multiplier, window W+1, RoPE on NoPE layers,
 (1+w) read as w, no embedding norm, no q scale, no output gate -> test_logits_and_taps_match_hf.
 """

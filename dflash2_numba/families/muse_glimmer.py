@@ -1,4 +1,4 @@
-"""Muse-Glimmer text target (config_muse.py resolves it; docs/targets/muse_glimmer.md explains it).
+"""Muse-Glimmer text target: config, inventory and model (docs/targets/muse_glimmer.md explains it).
 
     target = MuseGlimmerTarget.load(model_dir, device="cpu", dtype="f32")
     cache  = target.new_cache(max_len)                         # a KVCache, as TargetModel's
@@ -29,7 +29,7 @@ Field names follow the Hugging Face keys of `MuseGlimmerTextConfig`. Two spellin
 `model_type` "muse_glimmer" (the released composite `MuseGlimmerForConditionalGeneration`: the
 text keys nested under `text_config`, weights under `model.language_model.`, `lm_head.weight` at
 top level, a vision tower beside it) and "muse_glimmer_text" (flat keys, `MuseGlimmerTextModel`
-weights with no prefix and no head). The model is in models/muse_glimmer.py; docs/targets/
+weights with no prefix and no head). The model is below; docs/targets/
 muse_glimmer.md explains the math.
 
 Refused by name, never guessed: the legacy export whose `post_attention_layernorm` is the pre-FFN
@@ -386,7 +386,7 @@ class MuseGlimmerTarget(TargetModel):
         return softcap_logits(self.lm_head(h_normed), c.output_multiplier, c.final_logit_softcapping, self.bf16)
 
     def check_draft_pairing(self, draft_config) -> None:
-        """Called by the draft loader after config.check_pairing (config_muse.check_muse_pairing)."""
+        """Called by the draft loader after config.check_pairing (check_muse_pairing above)."""
         check_muse_pairing(draft_config, self.config)
 
     # ------------------------------------------------------------------ forward (TargetModel's, through

@@ -11,7 +11,7 @@ Layer i (pre-norm, every norm zero-centred: x * rsqrt(mean x^2 + eps) * (1 + w))
     h += mlp_i(norm(h))      the dense SwiGLU MLP (Qwen3.5-MoE: experts, families/qwen3_5_moe.py)
 Taps are the residual stream after layer l whatever its kind (HF hidden_states[l+1]).
 
-Config resolution and tensor inventory (formerly models/qwen3_5_config.py):
+Config resolution and tensor inventory:
 tensor inventory and the facts `inspect` reports (docs/targets/qwen3_5.md).
 
 Two config.json spellings of one text stack:

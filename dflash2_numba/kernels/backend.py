@@ -104,7 +104,7 @@ class Ops:
     rms_norm: Callable = layers.rms_norm  # numpy reference unless a device brings a kernel
     apply_rope: Callable = layers.apply_rope
     swiglu: Callable = layers.swiglu
-    short_conv: Callable = gdn.short_conv  # Gated DeltaNet targets (models/qwen3_5.py)
+    short_conv: Callable = gdn.short_conv  # Gated DeltaNet targets (families/qwen3_5.py)
     gated_delta: Callable = gdn.gated_delta_rule
     quantize: str | None = None  # "q8_0" / "q4_0": the linear weights' format (None: as stored)
     prepare_head: Callable | None = None  # None: the head is prepared like every other weight

@@ -12,7 +12,7 @@ One layer, pre-norm (spec §2.1; the draft's conv call sites of spec §4.1 when 
     m = rms(h, ln2);  m, d2 = conv_prepare(m)
     h = h + conv_finish(down(silu(m Wg^T) * (m Wu^T)), d2)
 
-It is the op-by-op path (models/target.py `_layer`, models/draft.py `block_forward`) with the
+It is the op-by-op path (families/qwen3.py `_layer`, models/draft.py `block_forward`) with the
 Python between the kernels removed, and it calls THE SAME kernels in the same order: the panel
 GEMV of kernels/panels.py, RMSNorm / RoPE / SwiGLU of kernels/rowwise.py, attention of
 kernels/attention.py, the grouped conv of kernels/conv.py. So its output is bit-identical to
