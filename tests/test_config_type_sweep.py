@@ -1,7 +1,7 @@
 """Every config.json value through the loader's typed reads: a sweep, not a list of instances.
 
 For each family's tiny checkpoint (Qwen3, Llama, DFlash, DFlash2, Qwen3.5 text and multimodal,
-Muse-Glimmer), every key of config.json (and of its nested objects: text_config, dflash_config,
+Muse-Glimmer, Qwen3-MoE, Qwen3.5-MoE), every key of config.json (and of its nested objects: text_config, dflash_config,
 rope_parameters, ...) is replaced in turn by values of other JSON types. `inspect_model` (which
 resolves the config exactly as the loaders do) must then either
 
@@ -87,6 +87,13 @@ def checkpoints(tmp_path_factory):
         "qwen3_5-text": write_qwen3_5_target(root / "q35t", layout="text", seed=5),
         "qwen3_5-multimodal": write_qwen3_5_target(root / "q35m", layout="multimodal", seed=6),
     }
+    try:  # the MoE families, written by transformers (the test extra)
+        from moe_fixtures import build_qwen3_5_moe, build_qwen3_moe
+    except Exception:  # pytest's Skipped without torch: the other families still run
+        pass
+    else:
+        out["qwen3_moe"] = build_qwen3_moe(root / "qwen3_moe", seed=7)
+        out["qwen3_5_moe"] = build_qwen3_5_moe(root / "qwen3_5_moe", seed=8)
     try:
         from muse_fixtures import write_muse_target
     except ImportError:  # transformers without Muse-Glimmer: the other families still run
@@ -128,12 +135,13 @@ def _sweep(base: Path, scratch: Path) -> list[str]:
     return failures
 
 
-FAMILIES = ["qwen3", "qwen3-sliding", "llama", "dflash", "dflash2", "qwen3_5-text", "qwen3_5-multimodal", "muse"]
+FAMILIES = ["qwen3", "qwen3-sliding", "llama", "dflash", "dflash2", "qwen3_5-text", "qwen3_5-multimodal", "muse",
+            "qwen3_moe", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_config_value_is_read_typed(checkpoints, tmp_path, family):
     if family not in checkpoints:
-        pytest.skip("this transformers has no Muse-Glimmer classes to write the checkpoint with")
+        pytest.skip(f"no {family} checkpoint: transformers (the test extra) lacks the classes to write it")
     failures = _sweep(checkpoints[family], tmp_path / "m")
     assert not failures, f"{len(failures)} config values not read through the typed checks:\n" + "\n".join(failures)
