@@ -256,7 +256,8 @@ def test_a_b_a_gives_a_twice(client):
 @pytest.mark.parametrize("body,param,code", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"n": 2}, "n", "unsupported_parameter"),
-    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", "invalid_value"),
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
     ({"max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
     ({"extra_body": {"block_size": 99}}, "block_size", "invalid_value"),

@@ -58,10 +58,13 @@ def test_fields_are_read_with_openai_defaults_and_precedence():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"),
+    ({"prompt": [[1, 2], 3]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
     ({"prompt": "a", "n": 3}, "n"),
     ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"prompt": [[1, 2], [3]]}, "prompt"),
     ({"prompt": [1, 99]}, "prompt"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
