@@ -135,7 +135,7 @@ def main() -> int:
     rows, gens = transformers_reference(samples("dflash2_py_mc"), samples("dflash2_py_gen"))
     worst = max(r["abs_diff"] for r in rows)
     report = {
-        "command": " ".join(cmd[:4] + ["'" + cmd[4] + "'"] + cmd[5:]).replace(url, "http://127.0.0.1:PORT")
+        "command": " ".join(cmd[:5] + ["'" + cmd[5] + "'"] + cmd[6:]).replace(url, "http://127.0.0.1:PORT")
                    .replace(out_dir, "OUT"),
         "lm_eval_seconds": round(lm_eval_s, 1),
         "results": {t: {k: v for k, v in r.items() if k != "alias"} for t, r in results.items()},
