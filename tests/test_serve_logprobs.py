@@ -191,3 +191,32 @@ def test_chat_logprobs_and_top_logprobs(servers, solo, reference):
         if ch.choices and ch.choices[0].logprobs is not None:
             streamed += [c.logprob for c in ch.choices[0].logprobs.content]
     assert streamed == [c.logprob for c in content]
+
+
+def test_lm_eval_loglikelihood_payload(servers, reference):
+    """The exact body lm-eval's local-completions sends for log-likelihoods (batch of 2), read
+    the way its parse_logprobs reads it: sum(token_logprobs[ctxlen:-1]), is_greedy via top_logprobs."""
+    ctx, conts = [12, 400, 37, 1501], [[8, 90], [2222]]
+    body = {"prompt": [ctx + c for c in conts], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    out = post(servers["draft"], "/v1/completions", body)
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for choice, cont in zip(sorted(out["choices"], key=lambda c: c["index"]), conts):
+        ids = ctx + cont
+        lps = choice["logprobs"]["token_logprobs"]
+        assert len(lps) == len(ids) + 1  # the prompt echoed, then the one generated token
+        ref = reference(ids)
+        want = sum(ref[i - 1, ids[i]] for i in range(len(ctx), len(ids)))
+        assert sum(lps[len(ctx):-1]) == pytest.approx(want, abs=TOL)
+        tops = choice["logprobs"]["top_logprobs"][len(ctx):-1]
+        greedy = all(lp == max(top.values()) for lp, top in zip(lps[len(ctx):-1], tops))
+        assert greedy == all(int(np.argmax(ref[i - 1, :4002])) == ids[i] for i in range(len(ctx), len(ids)))
+
+
+def test_more_prompts_than_the_server_holds_is_refused(servers):
+    r = httpx.post(servers["plain"].url + "/v1/completions",
+                   json={"model": MODEL, "prompt": [[5, 6]] * 13, "max_tokens": 2}, timeout=WAIT_S)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"  # 4 running + 8 waiting: never
+    r = httpx.post(servers["plain"].url + "/v1/completions",
+                   json={"model": MODEL, "prompt": [[5, 6]] * 12, "max_tokens": 2}, timeout=WAIT_S)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 12

@@ -96,3 +96,27 @@ def test_metrics_render_parses_back():
     got = parse_metrics(m.render())
     assert got["requests_total"] == 4 and got['requests_rejected_total{reason="queue_full"}'] == 1
     assert got['time_to_first_token_seconds_bucket{le="0.05"}'] == 1 and got["time_to_first_token_seconds_count"] == 1
+
+
+def test_prompt_lists_become_one_request_per_prompt_in_order():
+    from dflash2_numba.serve.protocol import parse_requests
+    reqs = parse_requests({"model": "m", "prompt": ["ab", [1, 2], "c"], "echo": True, "logprobs": 3, "max_tokens": 0},
+                          "completion", {"m"}, _Tok(), vocab=64)
+    assert [r.index for r in reqs] == [0, 1, 2]
+    assert [r.prompt_ids for r in reqs] == [_Tok().encode("ab"), [1, 2], _Tok().encode("c")]
+    assert all(r.echo and r.logprobs == 3 and r.max_tokens == 0 for r in reqs)
+    with pytest.raises(BadRequest) as e:
+        parse_requests({"model": "m", "prompt": [[1]] * 65}, "completion", {"m"}, _Tok(), vocab=64)
+    assert e.value.param == "prompt"
+
+
+def test_chat_logprobs_fields():
+    r = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 4}, "chat")
+    assert r.logprobs == 4
+    r = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "chat")
+    assert r.logprobs == 0
+    r = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": False}, "chat")
+    assert r.logprobs is None
+    for body in ({"logprobs": 2}, {"echo": True}, {"chat_template_kwargs": {"enable_thinking": "yes"}}):
+        with pytest.raises(BadRequest):
+            parse({"messages": [{"role": "user", "content": "hi"}], **body}, "chat")

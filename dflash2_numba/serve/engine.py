@@ -41,7 +41,7 @@ from ..models.batched import batches_draft, batches_target, step_batch
 from .logprobs import entries
 from .metrics import Metrics
 from .reasoning import reasoning_parser
-from .protocol import DEFAULT_MAX_TOKENS, GenRequest, QueueFull, Unavailable, as_request_error
+from .protocol import DEFAULT_MAX_TOKENS, BadRequest, GenRequest, QueueFull, Unavailable, as_request_error
 from .stops import StopStrings
 
 LOADING, READY, DRAINING, STOPPED, FAILED = "loading", "ready", "draining", "stopped", "failed"
@@ -121,6 +121,12 @@ class Engine:
         """Queue the prompts of one request together (all or none), or raise QueueFull (429) /
         Unavailable (503)."""
         with self.cond:
+            if len(jobs) > self.max_running + self.max_waiting:  # would never fit: not worth a retry
+                for _ in jobs:
+                    self.metrics.reject("invalid")
+                raise BadRequest(f"{len(jobs)} prompts in one request; this server holds at most "
+                                 f"{self.max_running + self.max_waiting} (--max-running + --max-waiting)",
+                                 param="prompt", code="too_many_prompts")
             if self.state != READY:
                 reason = "not_ready" if self.state == LOADING else "draining"
                 for _ in jobs:
