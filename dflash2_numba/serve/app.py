@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
+import traceback
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -38,7 +40,7 @@ from .engine import READY, Engine, Job
 from .limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_OFFLOADED, OFFLOAD_BYTES,
                      OffloadedTokenizer, parse_json, read_body, scrub)
 from .logprobs import chat_logprobs, completion_logprobs
-from .protocol import BadRequest, RequestError, Unavailable, parse_requests
+from .protocol import RequestError, ServerError, Unavailable, parse_requests
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
@@ -120,6 +122,11 @@ def build_app(engine: Engine, model_id: str, limits: Limits | None = None) -> St
             engine.submit_all(jobs)
         except RequestError as e:
             return error_response(e)
+        except Exception as e:  # a bug: say so in OpenAI's shape (and the log), not as a bare 500 page
+            traceback.print_exc(file=sys.stderr)
+            engine.record_rejected("invalid")
+            return error_response(ServerError(f"internal error while reading the request ({type(e).__name__})",
+                                              code="internal_error"))
         shape = _Shape(kind, model_id, jobs, reasoning=kind == "chat" and engine.reasoning is not None)
         if reqs[0].stream:
             return StreamingResponse(_stream(jobs, events, shape), media_type="text/event-stream",

@@ -24,12 +24,13 @@ import re
 import threading
 from concurrent.futures import ProcessPoolExecutor
 
-from .protocol import BadRequest, RequestError
+from .protocol import BadRequest, RequestError, Unavailable
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # --max-body-mb 16
 DEFAULT_MAX_JSON_DEPTH = 32  # objects / arrays nested in a request body (OpenAI bodies need ~6)
 OFFLOAD_BYTES = 64 * 1024  # bodies past this are parsed off the event loop
-INLINE_CHARS = 32 * 1024  # texts past this are tokenised in the worker process
+INLINE_CHARS = OFFLOAD_BYTES  # texts past this are tokenised in the worker process (a body parsed on the
+# event loop is <= OFFLOAD_BYTES, so its texts are too: the loop never waits on the worker)
 MAX_OFFLOADED = 4  # large bodies being parsed at once; more wait (bounded memory and CPU)
 
 
@@ -123,8 +124,13 @@ class OffloadedTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= INLINE_CHARS:
             return self.tok.encode(text, add_special_tokens=add_special_tokens)
-        self.start()
-        ids = self._pool.submit(_encode, text, add_special_tokens).result()  # this thread waits, GIL free
+        try:
+            self.start()
+            ids = self._pool.submit(_encode, text, add_special_tokens).result()  # this thread waits, GIL free
+        except Exception as e:  # the worker died (killed, out of memory): a fresh one next time
+            self.close()
+            raise Unavailable(f"the tokenizer worker failed ({type(e).__name__}); try again",
+                              code="tokenizer_unavailable") from None
         return self.tok.with_bos(ids, add_special_tokens)
 
     def close(self) -> None:

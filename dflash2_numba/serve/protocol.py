@@ -66,6 +66,10 @@ class Unavailable(RequestError):
     status, type = 503, "unavailable_error"
 
 
+class ServerError(RequestError):
+    status, type = 500, "server_error"
+
+
 def as_request_error(e: DFlashError) -> RequestError:
     """A refusal of the decoding core (bad sampling values, context, chat template) as a 400."""
     if isinstance(e, RequestError):
