@@ -32,6 +32,9 @@ CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!
 QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n"
                  "{% if not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+OPEN_TEMPLATE = (  # thinking models whose template opens the block (Qwen3-*-Thinking-2507 style)
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}{% endif %}")
 HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
                     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 HARMONY_SPECIALS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
@@ -128,6 +131,24 @@ def qwen_no_think(qwen_tok):
     yield s
     s.shutdown()
     s.join(WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def opens_in_prompt(tmp_path_factory):
+    tok = write_tokenizer(tmp_path_factory.mktemp("open") / "m", OPEN_TEMPLATE, ["<think>", "</think>"],
+                          ["<|im_start|>", "<|im_end|>"], "<|im_end|>")
+    s = serve(tok, "I ponder.</think>The answer.")
+    yield s
+    s.shutdown()
+    s.join(WAIT_S)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_enable_thinking_reaches_a_template_that_opens_the_block(opens_in_prompt, stream):
+    on = ask(opens_in_prompt, stream, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert on == ("I ponder.", "The answer.")
+    off = ask(opens_in_prompt, stream)  # the server's default: thinking off, nothing opened
+    assert off == (None, "I ponder.The answer.")
 
 
 @pytest.fixture(scope="module")
