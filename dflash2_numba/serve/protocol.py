@@ -8,7 +8,7 @@ errors that become OpenAI error bodies `{"error": {"message", "type", "param", "
 
 Read: model, messages (chat) / prompt (completions: a string, a list of token ids, or a list of
 either: each prompt is its own choice), max_completion_tokens > max_tokens, temperature
-(default 1, as OpenAI), top_p, top_k, seed, stop (a string or up to 4), stream,
+(default 1, as OpenAI), top_p, top_k, seed, stop (a string or up to 16), stream,
 stream_options.include_usage, chat_template_kwargs (chat), logprobs (completions: top N,
 0..20; chat: a boolean, with top_logprobs N), echo (completions; with max_tokens 0 it scores
 the prompt only), the `block_size` extension (runtime Q of this request). n = 1 and zero
@@ -26,7 +26,7 @@ from ..decode.logprobs import MAX_TOP_LOGPROBS
 from ..decode.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when a request names no max_tokens (capped by the context left)
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; evaluators (lm-eval's `until` + eos) may send more, as vLLM accepts
 MAX_PROMPTS = 64  # prompts in one completions request (each its own choice)
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
