@@ -10,6 +10,8 @@ them); echo with max_tokens 0 scores the prompt, its first token null.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -223,3 +225,23 @@ def test_more_prompts_than_the_server_holds_is_refused(servers):
     r = httpx.post(servers["plain"].url + "/v1/completions",
                    json={"model": MODEL, "prompt": [[5, 6]] * 12, "max_tokens": 2}, timeout=WAIT_S)
     assert r.status_code == 200 and len(r.json()["choices"]) == 12
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_without_logprobs_returns_prompt_then_output(servers, solo, stream):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "echo": True, "stream": stream}
+    tok = solo[0].tokenizer
+    want = tok.decode(PROMPT) + tok.decode(generated_ids(solo, PROMPT, 6, temperature=0.0))
+    if not stream:
+        c = post(servers["draft"], "/v1/completions", body)["choices"][0]
+        assert c["text"] == want and c["logprobs"] is None
+        return
+    text = ""
+    with httpx.stream("POST", servers["draft"].url + "/v1/completions", json={"model": MODEL, **body},
+                      timeout=WAIT_S) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])["choices"][0]
+                assert ch["logprobs"] is None
+                text += ch["text"]
+    assert text == want
