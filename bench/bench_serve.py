@@ -19,7 +19,9 @@ throughput the same work would have on a core of its own.
 load: ONE server (the embedded pair by default); K client threads x M requests in all, mixed
 streamed / not, random prompts, budgets, block sizes, greedy and seeded sampling; a share are
 cancelled on purpose (a stream closed after its first chunk, with a budget too big to finish
-first). Each request is classified: correct (== its solo run, serve/reference.py), wrong,
+first); a share send a batch of two prompts (two choices, each == its solo run); a share ask for
+echo + logprobs (max_tokens 0..16, streamed or not: text == prompt + solo output, every
+logprob == `decode/score.score` of prompt + output within 1e-4, the first null). Each request is classified: correct (== its solo run, serve/reference.py), wrong,
 rejected (429 / 503), cancelled, lost (transport error, timeout, no finish_reason, a stream
 without [DONE]); the counts are reconciled with the server's /metrics. Loopback only, bounded
 in count and in time (--time-limit).
@@ -110,7 +112,7 @@ class ServerProcess:
 def stream_request(url: str, body: dict, cancel_after_first: bool = False) -> dict:
     """One streamed completion; times of every content chunk, the text, finish_reason, usage."""
     out = {"text": "", "finish_reason": None, "usage": None, "done": False, "chunk_times": [], "status": None,
-           "error": None, "t0": time.perf_counter()}
+           "error": None, "t0": time.perf_counter(), "token_logprobs": []}
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT_S) as resp:
             out["status"] = resp.status_code
@@ -131,6 +133,8 @@ def stream_request(url: str, body: dict, cancel_after_first: bool = False) -> di
                 if obj.get("usage"):
                     out["usage"] = obj["usage"]
                 for ch in obj.get("choices", []):
+                    if ch.get("logprobs"):
+                        out["token_logprobs"] += ch["logprobs"]["token_logprobs"]
                     if ch.get("text"):
                         out["text"] += ch["text"]
                         out["chunk_times"].append(time.perf_counter())
@@ -153,7 +157,8 @@ def plain_request(url: str, body: dict) -> dict:
         obj = r.json()
         if r.status_code == 200:
             ch = obj["choices"][0]
-            out.update(text=ch["text"], finish_reason=ch["finish_reason"], usage=obj["usage"], done=True)
+            out.update(text=ch["text"], finish_reason=ch["finish_reason"], usage=obj["usage"], done=True,
+                       choices=obj["choices"], token_logprobs=(ch["logprobs"] or {}).get("token_logprobs"))
         else:
             out["error"] = obj.get("error")
     except (httpx.HTTPError, ValueError) as e:
@@ -295,6 +300,7 @@ def load(args) -> None:
     import dflash2_numba as dn
     from dflash2_numba.default import default_pair
     from dflash2_numba.kernels.backend import set_threads
+    from dflash2_numba.decode.score import score
     from dflash2_numba.serve.reference import solo_answer
 
     target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair()
@@ -308,16 +314,30 @@ def load(args) -> None:
     for i in range(args.requests):
         cancel = rng.random() < args.cancel
         temp = rng.choice([0.0, 0.8])
+        kind = "cancel" if cancel else rng.choices(["plain", "batch", "logprobs"], [0.7, 0.15, 0.15])[0]
         spec = {"prompt": prompts[i % len(prompts)][:rng.randint(4, 64)], "max_tokens": 400 if cancel else rng.randint(1, 64),
                 "block_size": rng.randint(2, draft.block_size), "temperature": temp,
                 "seed": rng.randint(0, 10 ** 6) if temp else None, "stream": cancel or rng.random() < 0.5,
-                "cancel": cancel}
+                "cancel": cancel, "kind": kind, "n_prompts": 1}
+        if kind == "batch":  # two prompts, two choices; not streamed
+            spec.update(prompt=[spec["prompt"], prompts[(i + 7) % len(prompts)][:rng.randint(4, 64)]], stream=False,
+                        n_prompts=2)
+        if kind == "logprobs":
+            spec.update(max_tokens=rng.choice([0, 1, rng.randint(2, 16)]), echo=True, logprobs=2)
         specs.append(spec)
     t0 = time.perf_counter()
     for s in specs:
-        if not s["cancel"]:
-            s["expected"] = solo_answer(target, draft, s["prompt"], max_tokens=s["max_tokens"],
-                                        block_size=s["block_size"], temperature=s["temperature"], seed=s["seed"])
+        if s["cancel"]:
+            continue
+        ps = s["prompt"] if s["kind"] == "batch" else [s["prompt"]]
+        s["expected"] = [solo_answer(target, draft, p, max_tokens=s["max_tokens"], block_size=s["block_size"],
+                                     temperature=s["temperature"], seed=s["seed"]) if s["max_tokens"] else None
+                         for p in ps]
+        if s["kind"] == "logprobs":
+            out = s["expected"][0].token_ids if s["max_tokens"] else []
+            s["expected_logprobs"] = [x.logprob for x in score(target, s["prompt"] + out)]
+            s["expected_text"] = tok.decode(s["prompt"]) + (s["expected"][0].text if s["max_tokens"] else "")
+            s["expected_finish"] = s["expected"][0].finish_reason if s["max_tokens"] else "length"
     print(f"solo references: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     srv = ServerProcess(["--target", str(target_dir), "--draft", str(draft_dir),
                          "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting)],
@@ -341,6 +361,8 @@ def load(args) -> None:
             s = specs[i]
             body = {"model": model, "prompt": s["prompt"], "max_tokens": s["max_tokens"], "temperature": s["temperature"],
                     "seed": s["seed"], "block_size": s["block_size"]}
+            if s["kind"] == "logprobs":
+                body.update(echo=True, logprobs=s["logprobs"])
             attempts[i] += 1
             if s["stream"]:
                 body.update(stream=True, stream_options={"include_usage": True})
@@ -372,10 +394,16 @@ def load(args) -> None:
     success = sum(v for k, v in d.items() if k.startswith("request_success_total"))
     rejected = sum(v for k, v in d.items() if k.startswith("requests_rejected_total"))
     sent = len(specs) - counts["not_sent"]
+    # an engine request per prompt: a batch of two counts twice in the server's counters
+    w = [s["n_prompts"] for s in specs]
+    kinds = [classify(s, r) for s, r in zip(specs, results)]
+    weighted = {k: sum(n for n, c in zip(w, kinds) if c == k) for k in counts}
+    tried = sum(a * n for a, n in zip(attempts, w))
+    sent_w = sum(n for n, r in zip(w, results) if r is not None)
     reconcile = {
-        "server requests_total == attempts": (d["requests_total"], sum(attempts)),
-        "server successes == correct + wrong": (success, counts["correct"] + counts["wrong"]),
-        "server rejected == rejected attempts": (rejected, sum(attempts) - sent + counts["rejected"]),
+        "server requests_total == attempts (per prompt)": (d["requests_total"], tried),
+        "server successes == correct + wrong (per prompt)": (success, weighted["correct"] + weighted["wrong"]),
+        "server rejected == rejected attempts (per prompt)": (rejected, tried - sent_w + weighted["rejected"]),
         "server cancelled == cancelled": (d["requests_cancelled_total"], counts["cancelled"]),
         "server errors == 0": (d["request_errors_total"], 0),
         "running + waiting == 0 at the end": (after["requests_running"] + after["requests_waiting"], 0),
@@ -384,9 +412,10 @@ def load(args) -> None:
     report = {"machine": machine(), "target": shown(target_dir), "draft": shown(draft_dir), "clients": args.clients,
               "requests": len(specs), "cancel_share": args.cancel, "max_running": args.max_running,
               "max_waiting": args.max_waiting, "wall_s": wall, "counts": counts,
+              "kinds": {k: sum(s["kind"] == k for s in specs) for k in ("plain", "batch", "logprobs", "cancel")},
               "rejected_attempts": sum(attempts) - sent + counts["rejected"], "reconcile": reconcile,
               "reconciled": ok, "server_exit_code": code, "wrong_examples": wrong[:5]}
-    print(json.dumps({k: report[k] for k in ("counts", "rejected_attempts", "reconcile", "reconciled", "server_exit_code", "wall_s")},
+    print(json.dumps({k: report[k] for k in ("counts", "kinds", "rejected_attempts", "reconcile", "reconciled", "server_exit_code", "wall_s")},
                      indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
@@ -405,6 +434,20 @@ def classify(spec: dict, r: dict | None) -> str:
     e = spec.get("expected")
     if e is None:  # a cancel-on-purpose request that ended before its first chunk arrived
         return "lost"
+    if spec["kind"] == "batch":
+        chs = sorted(r.get("choices") or [], key=lambda c: c["index"])
+        got = [(c["text"], c["finish_reason"]) for c in chs]
+        want = [(x.text, x.finish_reason) for x in e]
+        n = sum(x.completion_tokens for x in e)
+        return "correct" if got == want and r["usage"]["completion_tokens"] == n else "wrong"
+    if spec["kind"] == "logprobs":
+        lps, want = r.get("token_logprobs") or [], spec["expected_logprobs"]
+        same = (len(lps) == len(want) and lps[0] is None
+                and all(abs(a - b) <= 1e-4 for a, b in zip(lps[1:], want[1:])))
+        n = e[0].completion_tokens if e[0] is not None else 0
+        got = (r["text"], r["usage"]["completion_tokens"], r["finish_reason"])
+        return "correct" if same and got == (spec["expected_text"], n, spec["expected_finish"]) else "wrong"
+    e = e[0]
     got = (r["text"], r["usage"]["completion_tokens"], r["finish_reason"])
     return "correct" if got == (e.text, e.completion_tokens, e.finish_reason) else "wrong"
 

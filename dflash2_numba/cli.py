@@ -69,8 +69,10 @@ def main():
 
 # ---------------------------------------------------------------- shared options
 def _prompt_options(f):
+    f = click.option("--think/--no-think", default=False, show_default=True,
+                     help="With --chat: render the template with enable_thinking (Qwen3-style thinking on).")(f)
     f = click.option("--chat/--no-chat", default=False, show_default=True,
-                     help="Render the prompt with the target's chat template (thinking off).")(f)
+                     help="Render the prompt with the target's chat template (thinking off unless --think).")(f)
     f = click.option("--prompt-ids", default=None, help="Comma-separated prompt token ids, e.g. 1,2,3.")(f)
     f = click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
                      help="Read the prompt text from a UTF-8 file.")(f)
@@ -100,6 +102,12 @@ def _sampling_options(f):
     f = click.option("--block-size", type=int, default=None,
                      help="Runtime rows per draft block Q (2..B; default: the draft's B).")(f)
     return f
+
+
+def _think(chat: bool, think: bool) -> bool:
+    if think and not chat:
+        raise GenerationArgumentError("--think renders the chat template with thinking on: it needs --chat")
+    return think
 
 
 def _read_prompt(prompt, prompt_file, prompt_ids):
@@ -184,7 +192,7 @@ def _write_json(obj, dest, out) -> None:
 @click.option("--json", "json_dest", default=None, metavar="PATH|-",
               help="Write the result object to PATH, or to stdout with '-' (then text is not streamed).")
 @_quantize_option
-def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat,
+def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
              block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
              json_dest, quantize):
     """Generate text; stream it to stdout, statistics to stderr."""
@@ -196,7 +204,7 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
         SamplingParams(temperature, top_k, top_p, seed)  # refused before the (slow) model load
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
         target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)
-        ids = resolve_prompt_ids(target, prompt, ids, chat)
+        ids = resolve_prompt_ids(target, prompt, ids, chat, enable_thinking=_think(chat, think))
         kwargs = dict(max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids)
 
@@ -237,6 +245,53 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
         click.echo(stats.format(), err=True)
 
 
+# ---------------------------------------------------------------- score
+@main.command()
+@_model_options
+@_prompt_options
+@click.option("--continuation", default=None,
+              help="Text scored after the prompt (tokenised on its own, as evaluators do); the total is "
+                   "log p(continuation | prompt).")
+@click.option("--top", "top_n", type=int, default=0, show_default=True, help="Top alternatives per position (0..20).")
+@click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the scores to PATH or stdout ('-').")
+@_quantize_option
+def score(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
+          continuation, top_n, json_dest, quantize):
+    """The target's log-probability of each prompt token (what the server's echo + logprobs report)."""
+    from .decode.logprobs import MAX_TOP_LOGPROBS
+    from .decode.loop import resolve_prompt_ids
+    from .decode.score import score as run_score
+
+    with json_destination(json_dest) as out:
+        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise GenerationArgumentError(f"--top must be in 0..{MAX_TOP_LOGPROBS}, got {top_n}")
+        prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
+        _, _, target, _ = _load(target_dir, None, device, dtype, threads, quantize=quantize)
+        ids = resolve_prompt_ids(target, prompt, ids, chat, enable_thinking=_think(chat, think))
+        n_context = len(ids)
+        if continuation is not None:
+            ids = ids + target.tokenizer.encode(continuation, add_special_tokens=False)
+            if len(ids) == n_context:
+                raise GenerationArgumentError("--continuation encodes to no tokens")
+        lps = run_score(target, ids, top_n)
+        tok = target.tokenizer
+        rows = [{"id": x.token_id, "token": tok.decode([x.token_id]), "logprob": x.logprob,
+                 "top": [{"id": j, "token": tok.decode([j]), "logprob": v} for j, v in x.top]} for x in lps]
+        total = sum(x.logprob for x in lps[max(1, n_context if continuation is not None else 1):])
+        if json_dest is not None:
+            _write_json({"prompt_ids": ids, "n_context": n_context, "tokens": rows,
+                         "logprob_sum": total, "scored_from": n_context if continuation is not None else 1},
+                        json_dest, out)
+    if json_dest == "-":
+        return
+    for i, r in enumerate(rows):
+        lp = "null" if r["logprob"] is None else f"{r['logprob']:.6f}"
+        mark = " *" if continuation is not None and i >= n_context else ""
+        emit(f"{i:5d} {r['id']:7d} {r['token']!r:20} {lp}{mark}")
+    what = "log p(continuation | prompt)" if continuation is not None else "sum over tokens 1.."
+    emit(f"{what}: {total:.6f}")
+
+
 # ---------------------------------------------------------------- propose
 @main.command()
 @_model_options
@@ -244,7 +299,7 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
 @_sampling_options
 @click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the proposal object to PATH or stdout ('-').")
 @_quantize_option
-def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat,
+def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
             block_size, temperature, top_k, top_p, seed, json_dest, quantize):
     """One draft proposal round, stopping before verification."""
     from .decode.loop import propose_once
@@ -253,7 +308,8 @@ def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, 
         SamplingParams(temperature, top_k, top_p, seed)
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
         _, _, target, draft = _load(target_dir, draft_dir, device, dtype, threads, need_draft=True, quantize=quantize)
-        res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, block_size=block_size,
+        res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, enable_thinking=_think(chat, think),
+                           block_size=block_size,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if json_dest is not None:
             _write_json(res, json_dest, out)

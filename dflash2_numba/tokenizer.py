@@ -159,7 +159,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. add_special_tokens as in HF: the tokenizer's post-processor
         (e.g. Llama's BOS); with `add_bos_token` set, BOS is prepended if it did not."""
-        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.with_bos(self.hf.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+
+    def with_bos(self, ids: list[int], add_special_tokens: bool = True) -> list[int]:
+        """`add_bos_token`: BOS prepended to the tokenizer's ids when its post-processor did not."""
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [bos] + ids

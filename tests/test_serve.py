@@ -256,12 +256,13 @@ def test_a_b_a_gives_a_twice(client):
 @pytest.mark.parametrize("body,param,code", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"n": 2}, "n", "unsupported_parameter"),
-    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", "invalid_value"),
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
     ({"max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
     ({"extra_body": {"block_size": 99}}, "block_size", "invalid_value"),
     ({"temperature": -1}, None, "invalid_value"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+    ({"stop": [chr(97 + i) for i in range(17)]}, "stop", "invalid_value"),
 ])
 def test_bad_requests_are_named_400s(client, body, param, code):
     with pytest.raises(openai.BadRequestError) as e:

@@ -58,10 +58,13 @@ def test_fields_are_read_with_openai_defaults_and_precedence():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"),
+    ({"prompt": [[1, 2], 3]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
     ({"prompt": "a", "n": 3}, "n"),
     ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"prompt": [[1, 2], [3]]}, "prompt"),
     ({"prompt": [1, 99]}, "prompt"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
@@ -93,3 +96,27 @@ def test_metrics_render_parses_back():
     got = parse_metrics(m.render())
     assert got["requests_total"] == 4 and got['requests_rejected_total{reason="queue_full"}'] == 1
     assert got['time_to_first_token_seconds_bucket{le="0.05"}'] == 1 and got["time_to_first_token_seconds_count"] == 1
+
+
+def test_prompt_lists_become_one_request_per_prompt_in_order():
+    from dflash2_numba.serve.protocol import parse_requests
+    reqs = parse_requests({"model": "m", "prompt": ["ab", [1, 2], "c"], "echo": True, "logprobs": 3, "max_tokens": 0},
+                          "completion", {"m"}, _Tok(), vocab=64)
+    assert [r.index for r in reqs] == [0, 1, 2]
+    assert [r.prompt_ids for r in reqs] == [_Tok().encode("ab"), [1, 2], _Tok().encode("c")]
+    assert all(r.echo and r.logprobs == 3 and r.max_tokens == 0 for r in reqs)
+    with pytest.raises(BadRequest) as e:
+        parse_requests({"model": "m", "prompt": [[1]] * 65}, "completion", {"m"}, _Tok(), vocab=64)
+    assert e.value.param == "prompt"
+
+
+def test_chat_logprobs_fields():
+    r = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 4}, "chat")
+    assert r.logprobs == 4
+    r = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "chat")
+    assert r.logprobs == 0
+    r = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": False}, "chat")
+    assert r.logprobs is None
+    for body in ({"logprobs": 2}, {"echo": True}, {"chat_template_kwargs": {"enable_thinking": "yes"}}):
+        with pytest.raises(BadRequest):
+            parse({"messages": [{"role": "user", "content": "hi"}], **body}, "chat")

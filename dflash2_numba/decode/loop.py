@@ -52,7 +52,7 @@ def _vocab_size(target) -> int:
     return int(cfg.vocab_size) if cfg is not None else int(target.vocab_size)
 
 
-def resolve_prompt_ids(target, prompt, prompt_ids, chat: bool) -> list[int]:
+def resolve_prompt_ids(target, prompt, prompt_ids, chat: bool, enable_thinking: bool = False) -> list[int]:
     """Prompt token ids from `prompt_ids` (used as given) or the text `prompt`."""
     if prompt_ids is not None:
         ids = [int(i) for i in prompt_ids]
@@ -62,7 +62,7 @@ def resolve_prompt_ids(target, prompt, prompt_ids, chat: bool) -> list[int]:
         tok = tokenizer_of(target)
         if tok is None:
             raise GenerationArgumentError("a text prompt needs the target's tokenizer; pass prompt_ids")
-        ids = tok.encode_prompt(prompt, chat=chat)
+        ids = tok.encode_prompt(prompt, chat=chat, enable_thinking=enable_thinking)
     if not ids:
         raise GenerationArgumentError("the prompt is empty (0 tokens); the target needs at least one")
     V = _vocab_size(target)
@@ -168,13 +168,13 @@ def generate(target, draft, prompt: str | None = None, *, chat: bool = False,
 def propose_once(target, draft, prompt: str | None = None, *, block_size: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, chat: bool = False,
-                 prompt_ids: Sequence[int] | None = None) -> dict:
+                 prompt_ids: Sequence[int] | None = None, enable_thinking: bool = False) -> dict:
     """One proposal round stopping before verification (`dflash2-decode propose`): prefill,
     pick the anchor from the last prompt row, feed the prompt taps to the draft, propose.
     Returns {"anchor", "anchor_position", "positions", "draft_ids", "slots", ...info}."""
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     Q = runtime_block_size(draft, block_size)
-    ids = resolve_prompt_ids(target, prompt, prompt_ids, chat)
+    ids = resolve_prompt_ids(target, prompt, prompt_ids, chat, enable_thinking=enable_thinking)
     check_context(target, len(ids), 1)
     _refuse_certain(draft)
     n, rng = len(ids), sampling.rng()

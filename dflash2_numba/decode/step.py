@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import NonFiniteLogitsError
 from .drafter import valid_vocab
+from .logprobs import TokenLogprob, token_logprobs
 from .sampling import SamplingParams, greedy_token, mask_padded, sample_token, target_probs, verify_block
 from .stats import DecodeStats
 
@@ -46,6 +47,7 @@ class StepResult:
     accepted: int  # drafts accepted this step (0 for the prefill token and autoregressive steps)
     finish_reason: str | None  # None while running, then "stop" | "length"
     stats: DecodeStats = field(repr=False, default=None)  # live statistics of this request
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for (decode/logprobs.py)
 
 
 @dataclass
@@ -104,10 +106,16 @@ def tokenizer_of(target):
 
 class Decoding:
     """The decode state of one request. `text=False` skips detokenising (the server decodes
-    token by token itself, to find where a stop string ends)."""
+    token by token itself, to find where a stop string ends).
+
+    `logprobs` = N (0..): every StepResult carries the target's log-probability of each token it
+    commits and the top N alternatives (decode/logprobs.py); `prompt_logprobs`: the prefill
+    keeps every prompt row's logits and scores the prompt too (`self.prompt_lps`, the first
+    token's logprob None). `max_new = 0` scores the prompt and generates nothing."""
 
     def __init__(self, target, draft, prompt_ids: list[int], max_new: int, Q: int,
-                 sampling: SamplingParams, stop_token_ids, text: bool = True):
+                 sampling: SamplingParams, stop_token_ids, text: bool = True,
+                 logprobs: int | None = None, prompt_logprobs: bool = False):
         tok = tokenizer_of(target)
         if tok is not None:
             self.stops = set(tok.stop_ids(stop_token_ids))
@@ -132,6 +140,9 @@ class Decoding:
         self.start = self.n  # anchor position
         self.Bv = 0  # rows verified by the step in progress
         self._drafts, self._q, self._t0 = np.zeros(0, np.int64), None, 0.0
+        self.logprobs = logprobs  # top N per token, None: not computed
+        self.prompt_logprobs = bool(prompt_logprobs)
+        self.prompt_lps: list[TokenLogprob] = []  # prompt positions, filled by the prefill
 
     @property
     def finished(self) -> bool:
@@ -150,21 +161,42 @@ class Decoding:
             self.cache = self.target.new_cache(self.max_len)
         a = self.prefilled
         b = min(self.n, a + min(int(max_tokens), PREFILL_CHUNK))
+        score = self.prompt_logprobs
         logits, taps = self.target.forward(np.asarray(self.ids[a:b], np.int64), self.cache,
-                                           tap_layers=self.tap_layers, last_only=True)  # [1, V]
+                                           tap_layers=self.tap_layers, last_only=not score)  # [1 | b-a, V]
         if taps is not None:
             self.ctx_taps = taps if self.ctx_taps is None else np.concatenate([self.ctx_taps, taps])
         self.prefilled = b
+        if score:  # row i is the distribution of the token at position a+i+1
+            check_finite(logits, "prefill", a)
+            if a == 0:
+                self.prompt_lps.append(TokenLogprob(self.ids[0], None))
+            k = min(b - a, self.n - 1 - a)
+            self.prompt_lps += token_logprobs(logits[:k], self.ids[a + 1:a + 1 + k], self._top_n, self.vv)
         if b < self.n:
             self.stats.prefill_s += time.perf_counter() - t0
             return None
-        check_finite(logits, "prefill", self.n - 1)
+        if self.max_new == 0:  # scoring only
+            self.stats.prefill_s += time.perf_counter() - t0
+            self.finish_reason = "length"
+            return StepResult([], "", 0, "length", self.stats, [] if self.logprobs is not None else None)
+        check_finite(logits[-1:], "prefill", self.n - 1)
         first = pick_token(mask_padded(logits[-1], self.vv), self.sampling, self.rng)
         self.stats.prefill_s += time.perf_counter() - t0
         step = self._commit([first], 0)
+        self._score(step, logits[-1:])
         if not step.finish_reason and self.draft is not None:
             self.dstate = self.draft.new_state(self.max_len)
         return step
+
+    @property
+    def _top_n(self) -> int:
+        return self.logprobs or 0
+
+    def _score(self, step: StepResult, rows: np.ndarray) -> None:
+        """The committed tokens' logprobs: rows[j] [V] is the target's distribution of token j."""
+        if self.logprobs is not None:
+            step.logprobs = token_logprobs(rows[:len(step.token_ids)], step.token_ids, self._top_n, self.vv)
 
     # ---------------------------------------------------------------- one verify step
     def begin_step(self) -> DraftCall | None:
@@ -211,6 +243,7 @@ class Decoding:
         self.stats.verify_s += t2 - self._t1
         self.stats.record_step(self.Bv, a)
         step = self._commit([int(d) for d in self._drafts[:a]] + [x], a)
+        self._score(step, logits)  # row j: the distribution of the j-th committed token
         self.stats.decode_s += time.perf_counter() - self._t0
         self.start += a + 1
         return step

@@ -36,11 +36,16 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
                   help="Requests queued beyond those; more get 429.")
     @click.option("--shutdown-grace", type=float, default=30.0, show_default=True,
                   help="Seconds SIGTERM lets running requests finish before ending them.")
+    @click.option("--max-body-mb", type=float, default=16.0, show_default=True,
+                  help="Largest request body (MiB); a larger one gets 413 before it is read.")
+    @click.option("--max-json-depth", type=int, default=32, show_default=True,
+                  help="Deepest JSON nesting a request body may have (400 past it).")
     def serve(target_dir, draft_dir, device, threads, dtype, host, port, block_size, max_running, max_waiting,
-              shutdown_grace, quantize=None):
+              shutdown_grace, max_body_mb, max_json_depth, quantize=None):
         """OpenAI-compatible HTTP server (chat / completions, streamed or not) that batches requests."""
         try:
             from .engine import Engine
+            from .app import Limits
             from .server import Server
         except ImportError as e:
             raise ServeExtraMissingError(f"serve needs the optional extra: pip install 'dflash2-numba[serve]' "
@@ -48,7 +53,10 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
         model_id = DEFAULT_MODEL_ID if target_dir is None else Path(target_dir).resolve().name
         engine = Engine(lambda: load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)[2:],
                         max_running=max_running, max_waiting=max_waiting, block_size=block_size)
-        server = Server(engine, model_id, host=host, port=port, grace_s=shutdown_grace)
+        if max_body_mb <= 0 or max_json_depth < 2:
+            raise click.BadParameter("--max-body-mb must be > 0 and --max-json-depth >= 2")
+        limits = Limits(int(max_body_mb * 1024 * 1024), max_json_depth)
+        server = Server(engine, model_id, host=host, port=port, grace_s=shutdown_grace, limits=limits)
         click.echo(f"dflash2-decode serve: {model_id} on {server.url} (loading; GET /health turns 200 when ready)",
                    err=True)
         server.run()

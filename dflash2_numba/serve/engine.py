@@ -16,8 +16,11 @@ Each engine step (continuous batching of speculative steps):
 A request's output does not depend on what else runs: greedy, token for token its solo
 `generate`; seeded sampling, token for token its solo run with that seed (models/batched.py).
 
-Events a sink receives (dicts): {"type": "text", "text"}, then one of
-{"type": "done", "finish_reason", "usage", "timings"} or {"type": "error", "message", "code"}.
+Events a sink receives (dicts): with echo first {"type": "prompt", "text", "logprobs"}; then
+{"type": "text", "text", "reasoning", "logprobs"} (reasoning: chat text a thinking format marks
+as such, serve/reasoning.py; logprobs: a list of `LogprobEntry` when the request asked for them,
+else None), then one of {"type": "done", "finish_reason", "usage", "timings"} or
+{"type": "error", "message", "code"}.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from ..decode.sampling import SamplingParams
 from ..decode.step import PREFILL_CHUNK, Decoding
 from ..errors import DFlashError, GenerationArgumentError, SelectorRefusedError
 from ..models.batched import batches_draft, batches_target, step_batch
+from .logprobs import entries
 from .metrics import Metrics
-from .protocol import DEFAULT_MAX_TOKENS, GenRequest, QueueFull, Unavailable, as_request_error
+from .reasoning import reasoning_parser
+from .protocol import DEFAULT_MAX_TOKENS, BadRequest, GenRequest, QueueFull, Unavailable, as_request_error
 from .stops import StopStrings
 
 LOADING, READY, DRAINING, STOPPED, FAILED = "loading", "ready", "draining", "stopped", "failed"
@@ -53,7 +58,9 @@ class Job:
     dec: Decoding | None = None
     decoder: object = None
     stops: StopStrings | None = None
+    reasoning: object = None  # serve/reasoning.py parser of this chat request, or None
     n_out: int = 0  # completion tokens (through the token that completed a stop string)
+    chars: int = 0  # characters decoded so far (echoed prompt included): the next token's text_offset
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
 
@@ -71,6 +78,7 @@ class Engine:
         self.max_running, self.max_waiting, self.block_size = int(max_running), int(max_waiting), block_size
         self.state, self.load_error = LOADING, None
         self.target = self.draft = None
+        self.reasoning = None  # the target tokenizer's thinking format (serve/reasoning.py)
         self.metrics = Metrics()
         self.cond = threading.Condition()
         self.waiting: list[Job] = []
@@ -107,18 +115,31 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         """Queue a checked request, or raise QueueFull (429) / Unavailable (503)."""
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> None:
+        """Queue the prompts of one request together (all or none), or raise QueueFull (429) /
+        Unavailable (503)."""
         with self.cond:
+            if len(jobs) > self.max_running + self.max_waiting:  # would never fit: not worth a retry
+                for _ in jobs:
+                    self.metrics.reject("invalid")
+                raise BadRequest(f"{len(jobs)} prompts in one request; this server holds at most "
+                                 f"{self.max_running + self.max_waiting} (--max-running + --max-waiting)",
+                                 param="prompt", code="too_many_prompts")
             if self.state != READY:
                 reason = "not_ready" if self.state == LOADING else "draining"
-                self.metrics.reject(reason)
+                for _ in jobs:
+                    self.metrics.reject(reason)
                 raise Unavailable(f"the server is {self.state}; try again later", code=reason)
-            if len(self.waiting) + len(self.running) >= self.max_running + self.max_waiting:
-                self.metrics.reject("queue_full")
-                raise QueueFull(f"{len(self.running)} requests running and {len(self.waiting)} waiting "
-                                f"(--max-running {self.max_running}, --max-waiting {self.max_waiting})",
-                                code="queue_full")
-            self.waiting.append(job)
-            self.metrics.add("requests_total")
+            if len(self.waiting) + len(self.running) + len(jobs) > self.max_running + self.max_waiting:
+                for _ in jobs:
+                    self.metrics.reject("queue_full")
+                raise QueueFull(f"{len(self.running)} requests running and {len(self.waiting)} waiting; "
+                                f"{len(jobs)} more do not fit (--max-running {self.max_running}, "
+                                f"--max-waiting {self.max_waiting})", code="queue_full")
+            self.waiting.extend(jobs)
+            self.metrics.add("requests_total", len(jobs))
             self._gauges()
             self.cond.notify()
 
@@ -153,6 +174,7 @@ class Engine:
     def _main(self) -> None:
         try:
             self.target, self.draft = self._load()
+            self.reasoning = reasoning_parser(self.target.tokenizer) if self.target.tokenizer is not None else None
             if self.draft is not None and getattr(self.draft, "refusal_reason", None):
                 raise SelectorRefusedError(self.draft.refusal_reason)
             if self.warm:
@@ -196,7 +218,8 @@ class Engine:
     def _decoding(self, req: GenRequest) -> Decoding:
         Q = 1 if self.draft is None else runtime_block_size(
             self.draft, req.block_size if req.block_size is not None else self.block_size)
-        return Decoding(self.target, self.draft, req.prompt_ids, req.max_tokens, Q, req.sampling, (), text=False)
+        return Decoding(self.target, self.draft, req.prompt_ids, req.max_tokens, Q, req.sampling, (), text=False,
+                        logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None)
 
     def _loop(self) -> None:
         while True:
@@ -239,10 +262,14 @@ class Engine:
                     job.dec = self._decoding(job.req)
                     job.decoder = self.target.tokenizer.stream_decoder()
                     job.stops = StopStrings(job.req.stop)
+                    if job.req.kind == "chat" and self.reasoning is not None:
+                        job.reasoning = self.reasoning.start(job.req.prompt_ids)
                 before = job.dec.prefilled
                 first = job.dec.prefill_step()
                 budget -= job.dec.prefilled - before
                 if first is not None:
+                    if job.req.echo:
+                        self._echo(job)
                     self._emit(job, first)
             except Exception as e:  # a refusal (NonFiniteLogitsError, ...) or a bug: end this request
                 if not isinstance(e, DFlashError):
@@ -271,29 +298,51 @@ class Engine:
             self._emit(job, step)
 
     # ---------------------------------------------------------------- output
+    def _echo(self, job: Job) -> None:
+        """echo: the prompt's text (and its logprobs) before anything generated."""
+        tok, ids = self.target.tokenizer, job.req.prompt_ids
+        dec, pieces = tok.stream_decoder(), []
+        for t in ids:
+            pieces.append(dec.feed([t]))
+        pieces[-1] += dec.flush()
+        lps = entries(tok, job.dec.prompt_lps, pieces, 0) if job.req.logprobs is not None else None
+        text = "".join(pieces)
+        job.chars = len(text)
+        job.sink({"type": "prompt", "text": text, "logprobs": lps})
+
     def _emit(self, job: Job, step) -> None:
-        """Detokenise the step's tokens one at a time through the stop-string matcher; send the
-        safe text; retire the request when it finished (stop id, budget, stop string)."""
+        """Detokenise the step's tokens one at a time through the reasoning parser (chat) and
+        the stop-string matcher; send the safe text (and the tokens' logprobs); retire the
+        request when it finished (stop id, budget, stop string)."""
         if job.t_first is None:
             job.t_first = time.perf_counter()
             with self.metrics.lock:
                 self.metrics.ttft.observe(job.t_first - job.t_submit)
-        parts, finish = [], step.finish_reason
+        parts, reasoning, pieces, finish = [], [], [], step.finish_reason
         for j, t in enumerate(step.token_ids):
             job.n_out += 1
             stop_id = finish == "stop" and j == len(step.token_ids) - 1  # its text is not content
-            parts.append(job.stops.feed("" if stop_id else job.decoder.feed([t])))
+            piece = "" if stop_id else job.decoder.feed([t])
+            if finish is not None and j == len(step.token_ids) - 1:
+                piece += job.decoder.flush()
+            pieces.append(piece)
+            if job.reasoning is not None:
+                r, piece = job.reasoning.feed(t, piece)
+                reasoning.append(r)
+            parts.append(job.stops.feed(piece))
             if job.stops.hit:
                 break
         if job.stops.hit:
             finish = "stop"
         elif finish is not None:
-            parts.append(job.stops.feed(job.decoder.flush()))
-            finish = "stop" if job.stops.hit else finish
             parts.append(job.stops.flush())
-        text = "".join(parts)
-        if text:
-            job.sink({"type": "text", "text": text})
+        lps = None
+        if step.logprobs is not None:
+            lps = entries(self.target.tokenizer, step.logprobs[:len(pieces)], pieces, job.chars)
+        job.chars += sum(len(p) for p in pieces)
+        text, reasoning = "".join(parts), "".join(reasoning)
+        if text or reasoning or lps:
+            job.sink({"type": "text", "text": text, "reasoning": reasoning, "logprobs": lps})
         if finish is not None:
             self._retire(job, finish)
 

@@ -4,11 +4,15 @@ errors that become OpenAI error bodies `{"error": {"message", "type", "param", "
     req = parse_request(body, kind="chat" | "completion", model_ids={...}, tokenizer=tok)
     raise BadRequest("...", param="top_p", code="invalid_value")    # -> 400 JSON body
 
-Read: model, messages (chat) / prompt (completions: a string or a list of token ids),
-max_completion_tokens > max_tokens, temperature (default 1, as OpenAI), top_p, top_k, seed,
-stop (a string or up to 4), stream, stream_options.include_usage, chat_template_kwargs
-(chat), the `block_size` extension (runtime Q of this request). n = 1, logprobs false and
-zero penalties are accepted as the no-ops they are; any other field is a named 400
+    reqs = parse_requests(body, ...)   # completions: one GenRequest per prompt (index 0, 1, ...)
+
+Read: model, messages (chat) / prompt (completions: a string, a list of token ids, or a list of
+either: each prompt is its own choice), max_completion_tokens > max_tokens, temperature
+(default 1, as OpenAI), top_p, top_k, seed, stop (a string or up to 16), stream,
+stream_options.include_usage, chat_template_kwargs (chat), logprobs (completions: top N,
+0..20; chat: a boolean, with top_logprobs N), echo (completions; with max_tokens 0 it scores
+the prompt only), the `block_size` extension (runtime Q of this request). n = 1 and zero
+penalties are accepted as the no-ops they are; any other field is a named 400
 (`unsupported_parameter`), never silently ignored.
 """
 
@@ -18,16 +22,18 @@ from dataclasses import dataclass, field
 
 from ..errors import (ChatTemplateError, ChatTemplateMissingError, ContextLengthError, DFlashError,
                       GenerationArgumentError)
+from ..decode.logprobs import MAX_TOP_LOGPROBS
 from ..decode.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when a request names no max_tokens (capped by the context left)
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; evaluators (lm-eval's `until` + eos) may send more, as vLLM accepts
+MAX_PROMPTS = 64  # prompts in one completions request (each its own choice)
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                  "stream_options", "block_size", "n", "logprobs", "presence_penalty", "frequency_penalty",
                  "user"}
-FIELDS = {"chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"},
-          "completion": COMMON_FIELDS | {"prompt"}}
+FIELDS = {"chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"},
+          "completion": COMMON_FIELDS | {"prompt", "echo"}}
 
 
 # ---------------------------------------------------------------- typed errors -> HTTP
@@ -60,6 +66,10 @@ class Unavailable(RequestError):
     status, type = 503, "unavailable_error"
 
 
+class ServerError(RequestError):
+    status, type = 500, "server_error"
+
+
 def as_request_error(e: DFlashError) -> RequestError:
     """A refusal of the decoding core (bad sampling values, context, chat template) as a 400."""
     if isinstance(e, RequestError):
@@ -85,6 +95,10 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None  # top N alternatives per token (0: the token's own only); None: off
+    echo: bool = False  # completions: the prompt (and its logprobs) comes back before the output
+    index: int = 0  # this prompt's choice index
+    enable_thinking: bool = False  # chat: what the template was rendered with
 
 
 def _typed(body: dict, name: str, types, what: str, default=None):
@@ -105,8 +119,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
             raise BadRequest(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
     if _typed(body, "n", int, "an integer", 1) != 1:
         raise BadRequest("'n' > 1 is not supported (one choice per request)", param="n", code="unsupported_parameter")
-    if body.get("logprobs") not in (None, False):
-        raise BadRequest("'logprobs' is not supported", param="logprobs", code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
         if _typed(body, name, (int, float), "a number", 0) != 0:
             raise BadRequest(f"'{name}' other than 0 is not supported (it would change the target "
@@ -140,32 +152,69 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompt_ids(body: dict, kind: str, tokenizer, vocab: int) -> list[int]:
-    if kind == "chat":
-        messages = _messages(body)
-        kwargs = _typed(body, "chat_template_kwargs", dict, "an object", {})
-        kwargs = dict(kwargs)
-        thinking = kwargs.pop("enable_thinking", False)
-        text = tokenizer.apply_chat_template(messages, enable_thinking=bool(thinking), **kwargs)
-        ids = tokenizer.encode(text, add_special_tokens=False)  # the template holds the specials
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            ids = list(prompt)
-        elif isinstance(prompt, list):
-            raise BadRequest("'prompt' must be a string or ONE list of token ids (several prompts per request "
-                             "are not supported)", param="prompt", code="unsupported_parameter")
-        else:
-            raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
+def _check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
     if not ids:
-        raise BadRequest("the prompt is empty (0 tokens)", param="prompt" if kind == "completion" else "messages")
+        raise BadRequest("the prompt is empty (0 tokens)", param=param)
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
-        raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", param="prompt")
+        raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", param=param)
     return ids
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def chat_prompt(body: dict, tokenizer) -> tuple[list[int], bool]:
+    """The chat template rendered with `chat_template_kwargs` -> (prompt ids, enable_thinking)."""
+    messages = _messages(body)
+    kwargs = dict(_typed(body, "chat_template_kwargs", dict, "an object", {}))
+    thinking = kwargs.pop("enable_thinking", False)
+    if not isinstance(thinking, bool):
+        raise BadRequest(f"chat_template_kwargs.enable_thinking must be a boolean, got {thinking!r}",
+                         param="chat_template_kwargs", code="invalid_type")
+    text = tokenizer.apply_chat_template(messages, enable_thinking=thinking, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False), thinking  # the template holds the specials
+
+
+def completion_prompts(body: dict, tokenizer) -> list[list[int]]:
+    """`prompt`: a string, a list of token ids, or a non-empty list of strings / id lists."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt and _is_ids(prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if len(prompt) > MAX_PROMPTS:
+            raise BadRequest(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request",
+                             param="prompt", code="invalid_value")
+        out = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                out.append(tokenizer.encode(p))
+            elif isinstance(p, list) and _is_ids(p):
+                out.append(list(p))
+            else:
+                raise BadRequest(f"prompt[{i}] must be a string or a list of token ids, got {type(p).__name__}",
+                                 param="prompt", code="invalid_type")
+        return out
+    raise BadRequest("'prompt' must be a string, a list of token ids, or a non-empty list of those",
+                     param="prompt", code="invalid_type")
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Completions: logprobs = N (top N); chat: logprobs true (+ top_logprobs N). None: off."""
+    if kind == "chat":
+        on = _typed(body, "logprobs", bool, "a boolean", False)
+        top = _typed(body, "top_logprobs", int, "an integer", None)
+        if top is not None and not on:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        n, name = (top or 0) if on else None, "top_logprobs"
+    else:
+        n, name = _typed(body, "logprobs", int, "an integer (the number of top alternatives)", None), "logprobs"
+    if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"'{name}' must be in 0..{MAX_TOP_LOGPROBS}, got {n}", param=name, code="invalid_value")
+    return n
 
 
 def _stop(body: dict) -> list[str]:
@@ -179,8 +228,9 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def parse_request(body, kind: str, model_ids, tokenizer, vocab: int) -> GenRequest:
-    """A decoded JSON body -> GenRequest, or a RequestError naming the field."""
+def parse_requests(body, kind: str, model_ids, tokenizer, vocab: int) -> list[GenRequest]:
+    """A decoded JSON body -> one GenRequest per prompt (chat: one), or a RequestError naming
+    the field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", code="invalid_json")
     _refuse_unsupported(body, kind)
@@ -198,19 +248,37 @@ def parse_request(body, kind: str, model_ids, tokenizer, vocab: int) -> GenReque
         raise BadRequest(f"stream_options.{sorted(set(options) - {'include_usage'})[0]} is not supported",
                          param="stream_options", code="unsupported_parameter")
     include_usage = bool(_typed(options or {}, "include_usage", bool, "a boolean", False))
+    echo = bool(_typed(body, "echo", bool, "a boolean", False))
+    logprobs = _logprobs(body, kind)
     max_tokens = _typed(body, "max_completion_tokens", int, "an integer", None) if kind == "chat" else None
     if max_tokens is None:
         max_tokens = _typed(body, "max_tokens", int, "an integer", None)
-    if max_tokens is not None and max_tokens < 1:
-        raise BadRequest(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens", code="invalid_value")
+    if max_tokens is not None and max_tokens < (0 if echo else 1):
+        raise BadRequest(f"'max_tokens' must be >= 1 (0 only with echo: true, to score the prompt), got "
+                         f"{max_tokens}", param="max_tokens", code="invalid_value")
+    thinking = False
     try:
         sampling = SamplingParams(float(_typed(body, "temperature", (int, float), "a number", 1.0)),
                                   _typed(body, "top_k", int, "an integer", 0),
                                   float(_typed(body, "top_p", (int, float), "a number", 1.0)),
                                   _typed(body, "seed", int, "an integer", None))
-        ids = _prompt_ids(body, kind, tokenizer, vocab)
+        if kind == "chat":
+            ids, thinking = chat_prompt(body, tokenizer)
+            prompts = [_check_ids(ids, vocab, "messages")]
+        else:
+            prompts = [_check_ids(p, vocab, "prompt") for p in completion_prompts(body, tokenizer)]
     except DFlashError as e:
         raise as_request_error(e) from None
-    return GenRequest(kind, model, ids, max_tokens, sampling,
-                      block_size=_typed(body, "block_size", int, "an integer", None),
-                      stop=_stop(body), stream=stream, include_usage=include_usage)
+    block_size, stop = _typed(body, "block_size", int, "an integer", None), _stop(body)
+    return [GenRequest(kind, model, ids, max_tokens, sampling, block_size=block_size, stop=stop, stream=stream,
+                       include_usage=include_usage, logprobs=logprobs, echo=echo, index=i,
+                       enable_thinking=thinking)
+            for i, ids in enumerate(prompts)]
+
+
+def parse_request(body, kind: str, model_ids, tokenizer, vocab: int) -> GenRequest:
+    """`parse_requests` for a body with one prompt."""
+    reqs = parse_requests(body, kind, model_ids, tokenizer, vocab)
+    if len(reqs) != 1:
+        raise BadRequest(f"expected one prompt, got {len(reqs)}", param="prompt")
+    return reqs[0]

@@ -22,6 +22,7 @@ class SoloAnswer:
     completion_tokens: int
     finish_reason: str
     step_texts: list[str]  # the text each solo step emitted (the stop tests pick boundaries from it)
+    token_ids: list[int] = None  # the first completion_tokens output ids (what logprobs are reported for)
 
 
 def solo_answer(target, draft, prompt_ids, *, max_tokens: int, block_size: int | None = None,
@@ -41,4 +42,4 @@ def solo_answer(target, draft, prompt_ids, *, max_tokens: int, block_size: int |
         end = cut + next(len(s) for s in stop if s in text and text.index(s) == cut)
         n_tokens = next(k for k in range(1, len(content) + 1) if len(tok.decode(content[:k])) >= end)
         text, finish = text[:cut], "stop"
-    return SoloAnswer(text, n_tokens, finish, [s.text for s in steps])
+    return SoloAnswer(text, n_tokens, finish, [s.text for s in steps], out[:n_tokens])

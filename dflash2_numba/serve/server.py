@@ -16,7 +16,7 @@ import threading
 
 import uvicorn
 
-from .app import build_app
+from .app import Limits, build_app
 from ..errors import DFlashError
 from .engine import Engine
 
@@ -40,14 +40,15 @@ class _Uvicorn(uvicorn.Server):
 
 class Server:
     def __init__(self, engine: Engine, model_id: str, host: str = "127.0.0.1", port: int = 8000,
-                 grace_s: float = 30.0):
+                 grace_s: float = 30.0, limits: Limits | None = None):
         self.engine, self.model_id, self.grace_s = engine, model_id, float(grace_s)
         try:
             self.sock = socket.create_server((host, int(port)))
         except OSError as e:
             raise ListenError(f"--host {host} --port {port}: cannot listen there ({e})") from None
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(build_app(engine, model_id), log_level="warning", lifespan="off",
+        self.app = build_app(engine, model_id, limits)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=self.grace_s + 5.0)
         self.uvicorn = _Uvicorn(config, engine, self.grace_s)
         engine.on_fatal = self.shutdown
@@ -65,6 +66,7 @@ class Server:
             self.uvicorn.run(sockets=[self.sock])
         finally:
             self.engine.stop()
+            self.app.state.close()
 
     def start_in_thread(self) -> "Server":
         self.thread = threading.Thread(target=self.run, name="dflash2-http", daemon=True)
