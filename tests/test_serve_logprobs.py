@@ -62,7 +62,7 @@ def solo(model_dir):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """ids -> [len(ids), V] log-probabilities, row i = log p(. | ids[:i+1]) (numpy backend)."""
-    from dflash2_numba.models.target import TargetModel
+    from dflash2_numba.families.qwen3 import TargetModel
     target = TargetModel.load(model_dir, device="numpy")
 
     def logp(ids):
