@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from dflash2_numba import tiny
 from dflash2_numba.cli import main
-from dflash2_numba.models.target import TargetModel
+from dflash2_numba.families.qwen3 import TargetModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -5,7 +5,7 @@
     logits, taps = target.forward(ids, cache, tap_layers=(1, 3))
     cache.commit(n)
 
-The interface of models/target.TargetModel, so the decode loop and the drafts need no branch:
+The interface of families/qwen3.TargetModel, so the decode loop and the drafts need no branch:
 - `embed(ids)`   RAW embedding rows, the draft-facing embedding (DFlash drafts embed the anchor
                  and the mask token with the target's raw rows; the target itself normalises them);
 - `lm_head(h)`   the RAW projection (a DFlash2 selector applies its own multiplier/softcap to the

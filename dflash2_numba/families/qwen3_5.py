@@ -1,5 +1,5 @@
 """Qwen3.5-family hybrid target (Qwen3.5 / Qwen3.8 dense): Gated DeltaNet layers interleaved
-with gated full attention (docs/targets/qwen3_5.md). Same interface as models/target.TargetModel:
+with gated full attention (docs/targets/qwen3_5.md). Same interface as families/qwen3.TargetModel:
 
     target = Qwen3_5Model.load(model_dir, device="cpu", dtype="f32")
     cache  = target.new_cache(max_len)                       # a HybridCache
