@@ -23,7 +23,8 @@ ITEM_COLS like the bf16 panels):
     q4: qw [NP, Kp/2, 32] uint8, per 32-block [pair h < 4][column c][byte j]: low nibble =
         q + 8 of k-quad h, high nibble = of k-quad h + 4 (one load + and/shift gives two
         k-quads' int8 operands in registers).
-    ws [NP, Kp/32, 32] f32: the block scales d per (panel, block, column).
+    ws [NP, Kp/32, 32] uint16: the block scales d per (panel, block, column), as fp16 BITS (llama.cpp's
+        d is fp16: the kernels widen it to f32 in registers, exactly; 2 bytes a block, not 4).
 (q4 nibbles stay q + 8 on every path: the kernels add -8, or +120 on the VNNI paths, in registers.)
 """
 
@@ -109,9 +110,9 @@ def pack(q: np.ndarray, d: np.ndarray, fmt: str, unsigned: bool) -> tuple[np.nda
     NP = -(-N // ITEM_COLS) * ITEM_PANELS
     qp = np.zeros((NP * PANEL_COLS, Kp), np.int8)
     qp[:N] = q
-    dp = np.zeros((NP * PANEL_COLS, nb), np.float32)
+    dp = np.zeros((NP * PANEL_COLS, nb), np.float16)
     dp[:N] = d
-    ws = np.ascontiguousarray(dp.reshape(NP, PANEL_COLS, nb).transpose(0, 2, 1))  # [NP, nb, 32]
+    ws = np.ascontiguousarray(dp.reshape(NP, PANEL_COLS, nb).transpose(0, 2, 1)).view(np.uint16)  # [NP, nb, 32] fp16 bits
     # [NP, c, kq, j] -> [NP, kq, c, j]
     quads = qp.reshape(NP, PANEL_COLS, Kp // 4, 4).transpose(0, 2, 1, 3)
     if fmt == "q8_0":
@@ -127,10 +128,10 @@ def pack(q: np.ndarray, d: np.ndarray, fmt: str, unsigned: bool) -> tuple[np.nda
 # ------------------------------------------------------------------ memory estimates (inspect)
 def resident_bytes_per_weight(fmt: str) -> float:
     """Bytes a loaded matrix weight holds per parameter in this project's layouts: bf16 panels
-    2; q8_0 1 + an f32 scale per 32; q4_0 1/2 + the same."""
+    2; q8_0 1 + an fp16 scale per 32 (llama.cpp's 34 bytes a block); q4_0 1/2 + the same (18)."""
     if fmt == "bf16":
         return 2.0
-    return (1.0 if fmt == "q8_0" else 0.5) + 4 / BLOCK
+    return (1.0 if fmt == "q8_0" else 0.5) + 2 / BLOCK
 
 
 def is_router(name: str) -> bool:

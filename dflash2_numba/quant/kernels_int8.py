@@ -104,7 +104,7 @@ def _tile(R: int, G: int, fmt: str):
         if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
             return None
         if (xq.dtype, xs.dtype, xc.dtype, qw.dtype, ws.dtype, y.dtype) != (
-                types.int8, types.float32, types.int32, types.uint8 if q4 else types.int8, types.float32,
+                types.int8, types.float32, types.int32, types.uint8 if q4 else types.int8, types.uint16,
                 types.float32):
             return None
         sig = types.void(xq, xs, xc, types.int64, qw, ws, types.int64, types.int64, y, types.int64)
@@ -116,6 +116,18 @@ def _tile(R: int, G: int, fmt: str):
             i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                       ir.FloatType())
             vb, vi, vf = ir.VectorType(i8, 4 * V), ir.VectorType(i32, V), ir.VectorType(f32, V)
+            vs16 = ir.VectorType(i16, V)  # the fp16 scales' bits
+
+            def half_to_float(h):
+                """<V x i16> fp16 bits -> <V x float>, exact, in integer ops and one multiply: the
+                magnitude bits shifted into an f32 are the value times 2^-112 (normal and subnormal
+                fp16 alike), so times 2^112 is the value; then the sign. (LLVM's fpext from half
+                needs F16C or a runtime call numba's JIT lacks; scales are never inf or NaN.)"""
+                w = builder.zext(h, vi)
+                mag = builder.shl(builder.and_(w, splat(ir.Constant(i32, 0x7FFF), vi)), splat(ir.Constant(i32, 13), vi))
+                sign = builder.shl(builder.and_(w, splat(ir.Constant(i32, 0x8000), vi)), splat(ir.Constant(i32, 16), vi))
+                val = builder.fmul(builder.bitcast(mag, vf), splat(ir.Constant(f32, 2.0 ** 112), vf))
+                return builder.bitcast(builder.or_(builder.bitcast(val, vi), sign), vf)
 
             def const(v):
                 return ir.Constant(i64, v)
@@ -224,7 +236,8 @@ def _tile(R: int, G: int, fmt: str):
                 row = []
                 for g in range(G):
                     at = builder.add(builder.mul(b, const(PANEL_COLS)), const(g * V))
-                    wsv_ = builder.load(builder.bitcast(builder.gep(s0, [at]), vf.as_pointer()), align=4)
+                    wsh = builder.load(builder.bitcast(builder.gep(s0, [at]), vs16.as_pointer()), align=2)
+                    wsv_ = half_to_float(wsh)
                     isum = iacc[r][g][0]
                     for part in iacc[r][g][1:]:
                         isum = builder.add(isum, part)
