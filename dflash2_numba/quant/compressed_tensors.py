@@ -168,7 +168,7 @@ def _plan_module(X, grp, fmt, infos, raw_get, where, key) -> Entry:
         if int(np.prod(sc.shape)) not in ((1,) if strategy == "tensor" else (N * G,)):
             raise StoredFormatError(f"{sc.file}: tensor '{sc.name}': expected {N}x{G} scales ({strategy}), got "
                                     f"shape {list(sc.shape)}")
-        parts = {"weight_packed": packed.name, "weight_scale": sc.name}
+        parts = {"weight_packed": packed.name, "weight_scale": sc.name, "weight_shape": shape_t.name}
         if not sym:
             if strategy == "tensor":
                 raise refuse(where, f"{key}.weights", "symmetric for the tensor strategy", args)
