@@ -41,7 +41,7 @@ def build_bytes(entry: Entry, raw: dict) -> StoredWeight:
 
 
 def bytes_resident(N: int, K: int, bn: int, bk: int) -> int:
-    return N * K + 4 * cdiv(N, bn) * cdiv(K, bk)
+    return N * K + 4 * cdiv(N, bn) * cdiv(K, bk) + 16
 
 
 def plan(qcfg: dict, infos: dict, raw_get, where) -> list[Entry]:

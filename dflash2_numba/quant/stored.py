@@ -37,6 +37,7 @@ from ..errors import StoredFormatError
 # safetensors dtypes only a quantized checkpoint may hold (numpy dtype handed out: raw bits)
 STORED_DTYPES = {"F8_E4M3": np.uint8, "I8": np.int8, "U8": np.uint8, "I32": np.int32, "I64": np.int64}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
+SHARED = ("lut",)  # arrays one table serves every weight with (not counted per weight)
 
 
 class StoredWeight:
@@ -55,7 +56,7 @@ class StoredWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values() if isinstance(a, np.ndarray))
+        return sum(a.nbytes for k, a in self.arrays.items() if isinstance(a, np.ndarray) and k not in SHARED)
 
     def linear(self, x: np.ndarray, y: np.ndarray, parallel: bool) -> np.ndarray:
         """y [M, N] = x [M, K] f32 @ W.T, W dequantized block by block inside the kernel."""
