@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import StoredFormatError
 from . import int4
+from .weights import release_pages
 from .stored import (Entry, StoredWeight, cdiv, cfg_value, check_shape, matches_substring, name_list, need,
                      refuse, scales_f32)
 
@@ -66,6 +67,7 @@ def build_awq(entry: Entry, raw: dict) -> StoredWeight:
         c1 = min(N // 8, c0 + ROWS // 8)
         codes = awq_unpack_cols(qw[:, c0:c1])  # [K, 8(c1-c0)]
         packed[8 * c0:8 * c1] = int4.pack_codes(np.ascontiguousarray(codes.T))
+    release_pages(qw)  # repacked: the stored words' file pages go back to the page cache
     zero = np.ascontiguousarray(awq_unpack_cols(qz).T)  # [N, G]
     scale = np.ascontiguousarray(scales_f32(raw["scales"]).T)  # [N, G]
     seg, sg = int4.group_segments(K, g)
@@ -130,6 +132,7 @@ def build_gptq(entry: Entry, raw: dict) -> StoredWeight:
             n1 = min(N, n0 + ROWS)
             codes = _nibbles(np.ascontiguousarray(qw[:, n0:n1].T)).reshape(n1 - n0, -1)[:, :K]  # [n, K]
             packed[n0:n1] = int4.pack_codes(codes[:, perm])
+    release_pages(raw["qweight"])  # repacked (transposed or regrouped): hand the file pages back
     arrays = int4.make_arrays(packed, zero, scale, seg, sg, perm)
     return StoredWeight("int4", entry.format, (N, K), arrays, int4.matmul_int4, int4.dequantize_int4)
 
