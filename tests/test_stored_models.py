@@ -90,8 +90,10 @@ def make_ct(base, sym: bool = True, scheme: str = "int4", record: dict | None = 
     elif scheme == "w8a8":
         args, fmt = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized"
         acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
-    else:
+    else:  # "fp8" weight-only, "fp8_dynamic": FP8 weights and dynamic per-token FP8 activations
         args, fmt = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized"
+        if scheme == "fp8_dynamic":
+            acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
     if scheme != "int4":
         group = None
     apply_quantization_config(model, QuantizationConfig(
@@ -212,16 +214,18 @@ def test_logits_and_greedy_match_reference(base, models, kind):
     assert out == hf_greedy(ref, ids, NEW, target.valid_vocab)[:len(out)]
 
 
-def test_w8a8_follows_its_scheme(base):
-    """compressed-tensors W8A8 (int8 channel weights, dynamic per-token int8 activations), written
-    by the library: every linear, fed the library's own input at that layer, gives the library's
-    own quantized forward (fake-quantized activations and weights) within f32 rounding. The whole
-    model's logits are NOT compared at 1e-4: an input that differs by 1e-6 (attention / norm
-    rounding, ours vs torch) can move one activation across an int8 rounding boundary, and
-    measured that moves the tiny model's logits by ~2.5e-2 of max|logit| (the per-linear check
-    is the one that pins the scheme). Speculation stays lossless: Q-row == Q one-row steps."""
+@pytest.mark.parametrize("scheme", ["w8a8", "fp8_dynamic"])
+def test_activation_schemes_follow_the_library(base, scheme):
+    """compressed-tensors W8A8 (int8 channel weights, dynamic per-token int8 activations) and
+    FP8_DYNAMIC (FP8 channel weights, dynamic per-token FP8 activations), written by the library:
+    every linear, fed the library's own input at that layer, gives the library's own quantized
+    forward (fake-quantized activations and weights) within f32 rounding. The whole model's
+    logits are NOT compared at 1e-4: an input that differs by 1e-6 (attention / norm rounding,
+    ours vs torch) can move one activation across a rounding boundary of its 8-bit grid, and
+    measured (W8A8) that moves the tiny model's logits by ~2.5e-2 of max|logit| (the per-linear
+    check is the one that pins the scheme). Speculation stays lossless: Q-row == Q one-row steps."""
     record = {}
-    d = make_ct(base, scheme="w8a8", record=record)
+    d = make_ct(base, scheme=scheme, record=record)
     target = load_target(d)
     names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
              "down_proj": "down"}
@@ -229,11 +233,11 @@ def test_w8a8_follows_its_scheme(base):
     worst = 0.0
     for name, (x, y_ref) in record.items():
         w = target.layers[int(name.split(".")[2])][names[name.rsplit(".", 1)[1]]]
-        assert isinstance(w, StoredWeight) and w.kind == "w8a8"
+        assert isinstance(w, StoredWeight) and "per-token" in w.format
         y = np.empty(y_ref.shape, np.float32)
         w.linear(np.ascontiguousarray(x), y, False)
         worst = max(worst, float(np.abs(y - y_ref).max() / np.abs(y_ref).max()))
-    print(f"\nw8a8: worst per-linear max|diff| / max|out| vs compressed-tensors' forward = {worst:.2e}")
+    print(f"\n{scheme}: worst per-linear max|diff| / max|out| vs compressed-tensors' forward = {worst:.2e}")
     assert worst < 1e-5
     ref = generate(target, None, prompt_ids=PROMPT, max_new_tokens=NEW).output_ids
     for draft_dir in ("d1", "d2"):

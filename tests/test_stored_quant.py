@@ -112,6 +112,36 @@ def test_w8a8_activation_rule_and_kernel():
     _rows_invariant(w, x)
 
 
+def test_e4m3_rounding_matches_torch_cast():
+    """fp8_act.round_e4m3 == torch's float8_e4m3fn cast (round to nearest even) on random values
+    over the whole range, every exact e4m3 value and every midpoint between neighbours (ties)."""
+    from dflash2_numba.quant import fp8_act
+
+    rng = np.random.default_rng(3)
+    vals = bytes_kernel.E4M3[~np.isnan(bytes_kernel.E4M3)]
+    pos = np.unique(vals[vals >= 0])
+    mids = ((pos[1:].astype(np.float64) + pos[:-1]) / 2).astype(np.float32)  # exact in f32
+    v = np.concatenate([rng.uniform(-448, 448, 20000), rng.standard_normal(20000) * 1e-2, vals, mids, -mids]).astype(np.float32)
+    theirs = torch.from_numpy(v).to(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(fp8_act.round_e4m3(v), theirs)
+
+
+def test_fp8_dynamic_activation_rule_matches_library():
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from dflash2_numba.quant import fp8_act
+
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((6, 96)) * rng.uniform(0.01, 100, (6, 1))).astype(np.float32)
+    x[3] = 0.0
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+    xt = torch.from_numpy(x)[None]
+    s, z = compute_dynamic_scales_and_zp(xt, args, module=torch.nn.Linear(1, 1))
+    assert np.array_equal(fp8_act.quantize_tokens_fp8(x), fake_quantize(xt, s, z, args)[0].numpy())
+
+
 # ------------------------------------------------------------------ refusals and the inventory
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):
@@ -199,13 +229,13 @@ def test_ct_refusals(fp8_dir, tmp_path, over, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
-def test_ct_fp8_activations_refused(fp8_dir, tmp_path):
+def test_ct_fp8_tensor_activations_refused(fp8_dir, tmp_path):
     d = _edit_config(fp8_dir / "t", tmp_path / "x", lambda q: None)
     cfg = json.loads((d / "config.json").read_text())
     q = _ct_config(format="float-quantized")
     q["config_groups"]["group_0"]["weights"] = {"num_bits": 8, "type": "float", "strategy": "channel"}
-    q["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token",
-                                                         "dynamic": True}
+    q["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                         "dynamic": False}  # static scales
     cfg["quantization_config"] = q
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(StoredFormatError, match="input_activations"):

@@ -19,10 +19,11 @@ block grid):
   W = (q - zero) * scale.
 - int-quantized / naive-quantized 8-bit symmetric: `X.weight` I8; weight-only (f32
   activations) or W8A8 with dynamic per-token int8 activations (w8a8.py).
-- float-quantized FP8 e4m3 weight-only: `X.weight` F8_E4M3, any scale strategy.
+- float-quantized FP8 e4m3: `X.weight` F8_E4M3, any scale strategy; weight-only, or with FP8
+  dynamic per-token activations ("FP8_DYNAMIC", fp8_act.py).
 Refused: every other format (nvfp4-pack-quantized, mxfp4, sparse-24, marlin-24,
 sparse-bitmask), a sparsity / transform config, a KV-cache scheme, activation schemes other
-than none and int8 dynamic per-token symmetric (FP8 dynamic activations included), static
+than none and int8 / FP8 dynamic per-token symmetric, static
 activation scales, output activations, asymmetric 8-bit weights.
 """
 
@@ -147,9 +148,11 @@ def _plan_module(X, grp, fmt, infos, raw_get, where, key) -> Entry:
     if inp:
         inp = _args(inp, where, f"{key}.input_activations")
         act = (inp.get("num_bits"), inp.get("type"), inp.get("strategy"), inp.get("dynamic"), inp.get("symmetric", True))
-        if act != (8, "int", "token", True, True) or fmt == "pack-quantized":
-            raise refuse(where, f"{key}.input_activations", "null, or (for int-quantized) int8 dynamic per-token "
-                         "symmetric", inp)
+        ok = {"int-quantized": (8, "int", "token", True, True), "naive-quantized": (8, "int", "token", True, True),
+              "float-quantized": (8, "float", "token", True, True)}.get(fmt)
+        if act != ok:
+            raise refuse(where, f"{key}.input_activations", "null, or int8 (int-quantized) / FP8 (float-quantized) "
+                         "dynamic per-token symmetric", inp)
     if fmt == "pack-quantized":
         if (qtype, bits) != ("int", 4):
             raise refuse(where, f"{key}.weights", "int 4-bit for pack-quantized", {"type": qtype, "num_bits": bits})
@@ -204,6 +207,9 @@ def _plan_module(X, grp, fmt, infos, raw_get, where, key) -> Entry:
         raise StoredFormatError(f"{sc.file}: tensor '{sc.name}': expected {cdiv(N, bn)}x{cdiv(K, bk)} scales "
                                 f"({strategy}), got shape {list(sc.shape)}")
     parts = {"weight": w.name, "scale": sc.name}
+    if act is not None and want[0] == "float":  # FP8_DYNAMIC: e4m3 activations per token (fp8_act.py)
+        return Entry(X + ".weight", f"ct-fp8-e4m3 {strategy}, fp8 per-token activations", (N, K), parts, build_bytes,
+                     bytes_resident(N, K, bn, bk), w.file, {"lut": "e4m3", "block": (bn, bk), "act": "fp8_token"})
     if act is not None:
         if strategy != "channel":
             raise refuse(where, f"{key}.weights.strategy", "channel for W8A8", strategy)

@@ -36,8 +36,10 @@ def build_bytes(entry: Entry, raw: dict) -> StoredWeight:
     scale = scales_f32(raw["scale"]).reshape(cdiv(N, bn), cdiv(K, bk))
     lut = bytes_kernel.E4M3 if entry.params["lut"] == "e4m3" else bytes_kernel.INT8
     arrays = {"w": w, "lut": lut, "scale": scale, "block": np.array([bn, bk], np.int64)}
-    return StoredWeight("bytes", entry.format, entry.shape, arrays, bytes_kernel.matmul_bytes,
-                        bytes_kernel.dequantize_bytes)
+    matmul = bytes_kernel.matmul_bytes
+    if entry.params.get("act") == "fp8_token":  # compressed-tensors FP8_DYNAMIC: activations through e4m3
+        from .fp8_act import matmul_fp8_dynamic as matmul
+    return StoredWeight("bytes", entry.format, entry.shape, arrays, matmul, bytes_kernel.dequantize_bytes)
 
 
 def bytes_resident(N: int, K: int, bn: int, bk: int) -> int:
