@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import StoredFormatError
+from ..errors import DFlashError, StoredFormatError
 
 # safetensors dtypes only a quantized checkpoint may hold (numpy dtype handed out: raw bits)
 STORED_DTYPES = {"F8_E4M3": np.uint8, "I8": np.int8, "U8": np.uint8, "I32": np.int32, "I64": np.int64}
@@ -187,7 +187,10 @@ def read_quantization_config(directory: Path) -> dict | None:
     path = Path(directory) / "config.json"
     if not path.is_file():
         return None
-    raw = read_json_object(path, MAX_CONFIG_BYTES, CorruptHeaderError)
+    try:
+        raw = read_json_object(path, MAX_CONFIG_BYTES, CorruptHeaderError)
+    except DFlashError:  # a broken config.json is the config loader's refusal to make, by its own rules
+        return None
     q = raw.get("quantization_config")
     if q is None and isinstance(raw.get("text_config"), dict):
         q = raw["text_config"].get("quantization_config")
