@@ -167,6 +167,12 @@ def test_fp8_inventory_hides_scales(fp8_dir):
     assert name in ck.stored and ck.info(name).shape == (64, 128)
     assert not any(n.endswith("weight_scale_inv") for n in ck.names())
     w = ck.get(name)
+    with pytest.raises(StoredFormatError, match="down_proj.weight' is stored quantized"):
+        np.asarray(w)  # a family reading it as a plain array: refused by name, no dense copy
+    from dflash2_numba.numerics import as_f32
+
+    with pytest.raises(StoredFormatError):
+        as_f32(w)
     assert isinstance(w, StoredWeight) and w.arrays["w"].dtype == np.uint8 and w.nbytes == 64 * 128 + 4 * 2 * 4 + 16 == ck.stored_bytes(name)
 
 

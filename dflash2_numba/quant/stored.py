@@ -66,6 +66,16 @@ class StoredWeight:
         """The dense f32 [N, K] the stored bits stand for (numpy; tests and the numpy device)."""
         return self._dequant(self.arrays, self.shape)
 
+    name = "weight"  # the logical tensor name, set by Entry.load
+    dtype = np.dtype("V1")  # no numeric dtype: as_f32 / np.asarray reach __array__'s refusal
+
+    def __array__(self, dtype=None, copy=None):
+        """Code that reads this weight as a plain array (a family whose loader bypasses
+        ops.prepare_weight / linear for it) gets a named refusal, never a silent dense copy."""
+        raise StoredFormatError(
+            f"tensor '{self.name}' is stored quantized ({self.format}); this model reads it as a plain array "
+            "(expected a linear weight used through ops.linear): not supported for this tensor")
+
     def __repr__(self) -> str:
         return f"StoredWeight({self.format}, shape={list(self.shape)}, {self.nbytes} bytes)"
 
@@ -84,7 +94,9 @@ class Entry:
     params: dict = field(default_factory=dict)
 
     def load(self, raw_get: Callable[[str], np.ndarray]) -> StoredWeight:
-        return self.build(self, {role: raw_get(n) for role, n in self.parts.items()})
+        w = self.build(self, {role: raw_get(n) for role, n in self.parts.items()})
+        w.name = self.name
+        return w
 
 
 # ------------------------------------------------------------------ helpers for the planners
