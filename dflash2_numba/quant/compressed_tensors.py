@@ -15,8 +15,9 @@ block grid):
 - pack-quantized, int 4-bit, symmetric or asymmetric, channel / group / tensor strategy:
   `X.weight_packed` I32 [N, ceil(K/8)] (codes + 8, least significant nibble first: int4.py's
   layout as stored), `X.weight_shape` [2], asymmetric `X.weight_zero_point` I32 [ceil(N/8), G]
-  (signed zero + 8, packed along the output dimension), optional `X.weight_g_idx` (actorder):
-  W = (q - zero) * scale.
+  (signed zero + 8, packed along the output dimension): W = (q - zero) * scale. A
+  `X.weight_g_idx` (activation-ordered groups) is refused: compressed-tensors 0.20 itself no
+  longer reads it, so there is no reference to follow.
 - int-quantized / naive-quantized 8-bit symmetric: `X.weight` I8; weight-only (f32
   activations) or W8A8 with dynamic per-token int8 activations (w8a8.py).
 - float-quantized FP8 e4m3: `X.weight` F8_E4M3, any scale strategy; weight-only, or with FP8
@@ -79,14 +80,8 @@ def _build_int4(entry: Entry, raw: dict) -> StoredWeight:
         zero = np.ascontiguousarray(seq_unpack_cols(np.ascontiguousarray(np.asarray(raw["weight_zero_point"]).T))[:, :N].T)
     else:
         zero = np.full((N, G), 8, np.uint8)
-    if "weight_g_idx" in raw:
-        perm, seg, sg = int4.index_segments(np.asarray(raw["weight_g_idx"]))
-        if perm is not None:
-            codes = int4.unpack_codes(packed, K)
-            packed = int4.pack_codes(codes[:, perm])
-    else:
-        perm, (seg, sg) = None, int4.group_segments(K, bk)
-    arrays = int4.make_arrays(packed, zero, scale, seg, sg, perm)
+    seg, sg = int4.group_segments(K, bk)
+    arrays = int4.make_arrays(packed, zero, scale, seg, sg)
     return StoredWeight("int4", entry.format, (N, K), arrays, int4.matmul_int4, int4.dequantize_int4)
 
 
@@ -182,11 +177,12 @@ def _plan_module(X, grp, fmt, infos, raw_get, where, key) -> Entry:
             parts["weight_zero_point"] = zp.name
         elif X + ".weight_zero_point" in infos:
             raise StoredFormatError(f"{where}: tensor '{X}.weight_zero_point' present but {key}.weights is symmetric")
-        if X + ".weight_g_idx" in infos:
-            parts["weight_g_idx"] = need(infos, X + ".weight_g_idx", ("I32", "I64"), 1, where).name
+        if X + ".weight_g_idx" in infos:  # the library (0.20) itself no longer reads it: no reference to follow
+            raise StoredFormatError(f"{infos[X + '.weight_g_idx'].file}: tensor '{X}.weight_g_idx': activation-ordered "
+                                    "groups (g_idx) are not implemented for compressed-tensors; expected no weight_g_idx")
         label = f"ct-int4 {'sym' if sym else 'asym'} {strategy}{bk if strategy == 'group' else ''}"
-        return Entry(X + ".weight", label, (N, K), parts, _build_int4,
-                     int4.resident(N, K, G, "weight_g_idx" in parts), packed.file, {"block": (bn, bk)})
+        return Entry(X + ".weight", label, (N, K), parts, _build_int4, int4.resident(N, K, G, False), packed.file,
+                     {"block": (bn, bk)})
     # one byte per weight: int8 (int / naive) or FP8 e4m3 (float)
     want = ("int", 8, "I8") if fmt in ("int-quantized", "naive-quantized") else ("float", 8, "F8_E4M3")
     if (qtype, bits) != want[:2]:
