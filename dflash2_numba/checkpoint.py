@@ -31,6 +31,7 @@ from .errors import (
     UnknownDTypeError,
 )
 from .input_files import MAX_CONFIG_BYTES, read_json_object
+from .quant.stored import STORED_DTYPES  # pre-quantized checkpoints (hook: quant/stored.py)
 
 # safetensors dtype -> numpy dtype we hand out (BF16 stays as its bits)
 DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
@@ -121,8 +122,11 @@ def _check_tiling(path: Path, spans: list[tuple[int, int, str]], payload_size: i
             f"({payload_size - pos:+d} bytes unaccounted for: truncated, padded, or a wrong header length)")
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one file's header. Nothing is mapped yet."""
+def read_header(path: Path, stored_dtypes: bool = False) -> dict[str, TensorInfo]:
+    """Parse and validate one file's header. Nothing is mapped yet. `stored_dtypes`: also accept
+    the dtypes only a quantized checkpoint holds (F8_E4M3, I8, U8, I32, I64; quant/stored.py),
+    for a directory whose config.json has a quantization_config."""
+    readable = {**DTYPES, **STORED_DTYPES} if stored_dtypes else DTYPES
     check_weight_file(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -144,7 +148,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         dtype, shape, begin, end = _entry(path, name, entry)
-        if dtype not in DTYPES:
+        if dtype not in readable:
             raise UnknownDTypeError(
                 f"{path}: tensor '{name}' has dtype {dtype!r:.100}; readable dtypes: {', '.join(DTYPES)}"
             )
@@ -152,7 +156,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise DataOffsetError(
                 f"{path}: tensor '{name}' data_offsets [{begin}, {end}] outside the payload of {payload_size} bytes"
             )
-        expected = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize  # Python ints: no overflow
+        expected = math.prod(shape) * np.dtype(readable[dtype]).itemsize  # Python ints: no overflow
         if end - begin != expected:
             raise DataOffsetError(
                 f"{path}: tensor '{name}' spans {end - begin} bytes, expected {expected} for {dtype} {list(shape)}"
@@ -166,14 +170,20 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 class Checkpoint:
     """All tensors of a model directory, memory-mapped lazily, one map per file."""
 
-    def __init__(self, directory: Path, tensors: dict[str, TensorInfo]):
+    def __init__(self, directory: Path, tensors: dict[str, TensorInfo], stored: dict | None = None,
+                 raw: dict[str, TensorInfo] | None = None):
+        """`stored` (quant/stored.py): logical name -> Entry of a pre-quantized linear; `tensors`
+        then holds the logical view (each quantized `X.weight` as one [out, in] tensor, its
+        auxiliary tensors hidden) and `raw` every tensor of the files."""
         self.directory = directory
         self.tensors = tensors
+        self.stored = stored or {}
+        self.raw_tensors = raw if raw is not None else tensors
         self._maps: dict[Path, np.memmap] = {}
 
     @property
     def files(self) -> list[Path]:
-        return sorted({t.file for t in self.tensors.values()})
+        return sorted({t.file for t in self.raw_tensors.values()})
 
     def names(self) -> list[str]:
         return sorted(self.tensors)
@@ -191,12 +201,27 @@ class Checkpoint:
         return self.tensors[name]
 
     def get(self, name: str) -> np.ndarray:
-        """A read-only zero-copy view of the tensor (uint16 for BF16)."""
+        """A read-only zero-copy view of the tensor (uint16 for BF16); a pre-quantized linear's
+        `X.weight` is a quant.stored.StoredWeight over its stored arrays."""
         t = self.info(name)
+        if name in self.stored:
+            return self.stored[name].load(self.get_raw)
+        return self.get_raw(name)
+
+    def get_raw(self, name: str) -> np.ndarray:
+        """A tensor exactly as the file stores it (also the auxiliary tensors of quantized linears)."""
+        if name not in self.raw_tensors:
+            raise MissingTensorsError(f"{self.directory}: tensor '{name}' not in the checkpoint")
+        t = self.raw_tensors[name]
         if t.file not in self._maps:
             self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
         raw = self._maps[t.file][t.begin : t.end]
-        return np.ndarray(t.shape, dtype=DTYPES[t.dtype], buffer=raw)
+        return np.ndarray(t.shape, dtype={**DTYPES, **STORED_DTYPES}[t.dtype], buffer=raw)
+
+    def stored_bytes(self, name: str) -> int | None:
+        """Resident bytes of a pre-quantized linear once loaded (None: not one)."""
+        e = self.stored.get(name)
+        return None if e is None else e.resident
 
     def require(self, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] | set = ()) -> None:
         """Inventory check: every expected tensor present with its shape, nothing unknown.
@@ -276,9 +301,12 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
         raise CheckpointNotFoundError(f"{directory}: checkpoint directory does not exist")
     if not directory.is_dir():
         raise CheckpointNotFoundError(f"{directory}: expected a model directory, got a file")
+    from .quant.stored import read_quantization_config
+
+    qcfg = read_quantization_config(directory)
     tensors: dict[str, TensorInfo] = {}
     for path in _shard_files(directory):
-        for name, info in read_header(path).items():
+        for name, info in read_header(path, stored_dtypes=qcfg is not None).items():
             if name in tensors:
                 raise CorruptHeaderError(f"{path}: tensor '{name}' also in {tensors[name].file}")
             tensors[name] = info
@@ -290,4 +318,21 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
             raise MissingTensorsError(
                 f"{index}: {len(wrong)} tensor(s) not found in the shard the index names: {', '.join(wrong)}"
             )
+    if qcfg is not None:
+        return _stored_view(directory, tensors, qcfg)
     return Checkpoint(directory, tensors)
+
+
+def _stored_view(directory: Path, raw: dict[str, TensorInfo], qcfg: dict) -> Checkpoint:
+    """A pre-quantized checkpoint (quant/stored.py): each quantized linear becomes one logical
+    `X.weight` [out, in] whose dtype names its stored format; the tensors it consumes leave the
+    inventory the families check."""
+    from .quant.stored import consumed, plan_stored, weight_dtype_rule
+
+    entries = plan_stored(directory, raw, Checkpoint(directory, raw).get_raw, qcfg)
+    weight_dtype_rule(raw, entries, directory / "config.json")
+    used = consumed(entries)
+    logical = {n: t for n, t in raw.items() if n not in used}
+    for name, e in entries.items():
+        logical[name] = TensorInfo(name, e.format, tuple(e.shape), e.file, 0, 0)
+    return Checkpoint(directory, logical, stored=entries, raw=raw)

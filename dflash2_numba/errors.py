@@ -12,6 +12,9 @@ Hierarchy (catch `DFlashError` for "anything this package refused"):
         MissingTensorsError            required tensors absent (lists them)
         UnexpectedTensorsError         tensors we do not know (lists them)
         TensorShapeError               tensor, expected shape, actual shape
+        StoredFormatError              a pre-quantized checkpoint (FP8 / compressed-tensors / AWQ / GPTQ) in a
+                                       format or scheme not implemented, or inconsistent with its
+                                       quantization_config (names file, key, expected, actual)
       ConfigError                      config.json content
         UnknownArchitectureError
         AttentionSinkBiasError         attention_sink_bias: true (no sink path here)
@@ -74,6 +77,12 @@ class UnexpectedTensorsError(CheckpointError):
 
 class TensorShapeError(CheckpointError):
     pass
+
+
+class StoredFormatError(CheckpointError):
+    """A pre-quantized checkpoint we do not compute on as stored (quant/stored.py): an unknown
+    quant_method / format / scheme, or tensors that disagree with quantization_config. Names the
+    file, the key or tensor, the expected and the actual value; never a dequantize-and-guess."""
 
 
 # ---------------------------------------------------------------- config content

@@ -65,8 +65,9 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         t = ckpt.info(name)
         count = int(np.prod(t.shape, dtype=np.int64))
         n_params += count
-        n_bytes += count * np.dtype(DTYPES[t.dtype]).itemsize
         tensors.append({"name": name, "dtype": t.dtype, "shape": list(t.shape), "file": t.file.name})
+    n_bytes = sum(t.end - t.begin for t in ckpt.raw_tensors.values())  # bytes in the files
+    stored = stored_summary(ckpt)  # pre-quantized linears (quant/stored.py), {} for others
 
     # the inventory a loader would demand; reported, not raised, so inspect still describes
     # a checkpoint the loader would refuse
@@ -91,7 +92,12 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
     if kind == "target":  # what the loaded weights hold at each --quantize (quant/formats.py)
         from .quant.formats import resident_bytes
 
-        extra["resident_bytes"] = resident_bytes(tensors, ignored, bool(getattr(cfg, "tie_word_embeddings", False)))
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        if stored:  # loaded as stored: the quantized linears' layouts + the rest as the bf16 path holds it
+            rest = resident_bytes([t for t in tensors if t["name"] not in ckpt.stored], ignored, tied)["bf16"]
+            extra["resident_bytes"] = {"stored": rest + sum(g["resident_bytes"] for g in stored.values())}
+        else:
+            extra["resident_bytes"] = resident_bytes(tensors, ignored, tied)
     return {
         **extra,  # family facts (e.g. layer schedule, recurrent-state bytes per request)
         "path": str(path),
@@ -103,10 +109,23 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         "num_parameters": n_params,
         "num_bytes": n_bytes,
         "dtypes": sorted({t["dtype"] for t in tensors}),
+        "stored_formats": stored,  # format -> {tensors, parameters, resident_bytes} (pre-quantized)
         "inventory_error": inventory_error,
         "ignored_tensors": ignored,  # name -> why it is not loaded
         "sha256": files,
     }
+
+
+def stored_summary(ckpt) -> dict:
+    """{stored format: {"tensors", "parameters", "resident_bytes"}} of a pre-quantized
+    checkpoint's linears (quant/stored.py); {} for a checkpoint stored in float."""
+    out: dict = {}
+    for name, e in sorted(ckpt.stored.items()):
+        g = out.setdefault(e.format, {"tensors": 0, "parameters": 0, "resident_bytes": 0})
+        g["tensors"] += 1
+        g["parameters"] += e.shape[0] * e.shape[1]
+        g["resident_bytes"] += e.resident
+    return out
 
 
 def format_inspect(report: dict) -> str:
@@ -118,6 +137,9 @@ def format_inspect(report: dict) -> str:
         f"  inventory:  {'ok' if report['inventory_error'] is None else report['inventory_error']}",
     ]
     lines += [f"  {line}" for line in report.get("summary_lines", [])]  # family facts (schedule, state)
+    for fmt, g in (report.get("stored_formats") or {}).items():
+        lines.append(f"  stored:     {g['tensors']} linears as {fmt}: {g['parameters']:,} parameters, "
+                     f"{human_bytes(g['resident_bytes'])} resident")
     if report.get("resident_bytes"):
         lines.append("  weights resident: " + ", ".join(f"{fmt} {human_bytes(b)}" for fmt, b in report["resident_bytes"].items()))
     ignored = report.get("ignored_tensors") or {}

@@ -113,10 +113,33 @@ class Ops:
 QUANTIZE = (None, "q8_0", "q4_0")
 
 
+def _keep_stored(prepare: Callable) -> Callable:
+    """A pre-quantized checkpoint's weight (quant/stored.StoredWeight) is kept as stored; every
+    other weight goes through `prepare`."""
+    from ..quant.stored import StoredWeight
+
+    def prepare_or_keep(w):
+        return w if isinstance(w, StoredWeight) else prepare(w)
+
+    return prepare_or_keep
+
+
+def _numpy_prepare(w):
+    """The numpy device's f32 copy; a stored weight is dequantized (the reference path)."""
+    from ..quant.stored import StoredWeight
+
+    return w.dequantize() if isinstance(w, StoredWeight) else as_f32(w)
+
+
 def _prepare_quantized(fmt: str, w):
     """A 2-D float weight -> QuantizedWeight in fmt; anything else as the bf16 path packs it."""
+    from ..quant.stored import StoredWeight
     from ..quant.weights import quantize_weight
 
+    if isinstance(w, StoredWeight):  # re-quantizing stored FP8 / int4 would be another model
+        raise GenerationArgumentError(
+            f"--quantize {fmt}: the checkpoint is stored pre-quantized ({w.format}, weight {list(w.shape)}); "
+            "expected no --quantize (it runs as stored)")
     if isinstance(w, np.ndarray) and w.ndim == 2 and w.size and w.dtype in (np.uint16, np.float32, np.float16):
         return quantize_weight(w, fmt, f"weight {list(w.shape)}")
     return pack_bf16(w)
@@ -139,12 +162,13 @@ def get_ops(device: str = "cpu", quantize: str | None = None, keep_head: bool = 
     if device == "cpu":
         check_kernel_cache()  # a corrupt numba cache file: a named error, not a traceback mid-run
         conv, _ = _conv_kernels()
-        prepare = functools.partial(_prepare_quantized, quantize) if quantize else pack_bf16
+        prepare = functools.partial(_prepare_quantized, quantize) if quantize else _keep_stored(pack_bf16)
         return Ops("cpu", linear, attention, conv, prepare, rowwise.rms_norm, rowwise.apply_rope,
-                   rowwise.swiglu, quantize=quantize, prepare_head=pack_bf16 if quantize and keep_head else None)
+                   rowwise.swiglu, quantize=quantize,
+                   prepare_head=_keep_stored(pack_bf16) if quantize and keep_head else None)
     if device == "numpy":
         _, conv = _conv_kernels()
-        return Ops("numpy", linear_reference, attention_reference, conv, as_f32,
+        return Ops("numpy", linear_reference, attention_reference, conv, _numpy_prepare,
                    short_conv=gdn.short_conv_reference, gated_delta=gdn.gated_delta_rule_reference)
     if device == "cuda":  # @cuda.jit kernels (kernels/cuda_ops.py); DeviceUnavailableError without a GPU
         try:

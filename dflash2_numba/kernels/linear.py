@@ -2,7 +2,9 @@
 
     linear(x [M, K] f32, w [N, K] uint16|float32|float16|PackedBF16|QuantizedWeight) -> y [M, N] f32
 
-Quantized weights (quant/weights.py, q8_0 / q4_0) take the integer kernels at every row count.
+Quantized weights (quant/weights.py, q8_0 / q4_0) take the integer kernels at every row count;
+weights of a pre-quantized checkpoint (quant/stored.StoredWeight: FP8, int4, W8A8) their own
+kernels, at every row count too.
 Otherwise three regimes:
 - decode size, PackedBF16 weight (what ops.prepare_weight gives the models on the CPU): the
   panel micro-kernels of kernels/panels.py (the fast path; 1..GEMV_MAX_ROWS rows).
@@ -25,6 +27,7 @@ from numba.extending import overload
 
 from ..numerics import as_f32, bf16_to_f32
 from ..quant.kernels_int8 import _gemv_quant_par, _gemv_quant_ser, quantize_rows_entry
+from ..quant.stored import StoredWeight
 from ..quant.weights import QuantizedWeight
 from .panels import _gemv_panels_par, _gemv_panels_ser
 
@@ -220,6 +223,8 @@ def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.nd
     y = np.empty((M, N), dtype=np.float32) if out is None else out
     if isinstance(w, QuantizedWeight):  # q8_0 / q4_0 panels: every row count, prefill included
         return linear_quantized(x, w, y)
+    if isinstance(w, StoredWeight):  # a pre-quantized checkpoint's weight (quant/stored.py), any M
+        return w.linear(x, y, M > 0 and use_parallel(M * N * K))
     panels = getattr(w, "panels", None)  # a PackedBF16 weight (kernels/panels.py)
     w = np.asarray(w)  # the plain array for the other paths
     if panels is not None and 0 < M <= GEMV_MAX_ROWS:
