@@ -15,9 +15,10 @@ decode speed against the machine's read bandwidth.
    bf16 pages handed back: quant/weights.release_pages), getrusage's PEAK resident set and the
    load time; then a greedy decode of --tokens tokens over the KV cache after a 16-token prompt
    (one row per step: the fused MoE layer), seconds per token.
-3. The machine's read bandwidth at the same thread count (bench/bandwidth.py), and the bytes a
-   decoded token reads at the format (models/moe.moe_facts: attention, the 8 picked experts per
-   layer, the router, the head, one embedding row) x tok/s as a fraction of it.
+3. The machine's read bandwidth two ways: bench/bandwidth.py's four-stream numba sum at the same
+   thread count (what the GEMV benches compare against) and a plain numpy read (`a.sum()`), and
+   the bytes a decoded token reads at the format (models/moe.moe_facts: attention, the 8 picked
+   experts per layer, the router, the head, one embedding row) x tok/s as a fraction of each.
 Records the CPU, the instruction-set path (kernels/isa.py) and the load average.
 """
 
@@ -104,84 +105,110 @@ def write_sparse(out: Path, shards: int = 16, seed: int = 0) -> Path:
 
 
 CHILD = r"""
-import json, resource, sys, time
+import json, os, resource, sys, time
 import numpy as np
-path, fmt, n_tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+path, fmt, n_tokens, threads, rounds, gib = sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(x) for x in sys.argv[4].split(",")], int(sys.argv[5]), float(sys.argv[6])
+sys.path.insert(0, "bench")
+from bandwidth import read_bandwidth
+from moe_scale import numpy_read_gbs
 from dflash2_numba.kernels.backend import set_threads
-set_threads(threads)
+set_threads(max(threads))
 import dflash2_numba as dn
 t0 = time.perf_counter()
 target = dn.load_target(path, quantize=None if fmt == "bf16" else fmt)
 load_s = time.perf_counter() - t0
 rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-cache = target.new_cache(64)
-prompt = np.arange(100, 116)
-logits, _ = target.forward(prompt, cache, last_only=True)
+cache = target.new_cache(64 + rounds * len(threads) * (n_tokens + 1))
+logits, _ = target.forward(np.arange(100, 116), cache, last_only=True)
 tok = int(np.argmax(logits[-1]))
-ids, times = [tok], []
-for i in range(n_tokens):
-    t = time.perf_counter()
-    logits, _ = target.forward(np.array([tok]), cache)
-    tok = int(np.argmax(logits[-1]))
-    times.append(time.perf_counter() - t)
-    ids.append(tok)
+ids, out = [tok], {str(t): {"step_s": [], "bandwidth_gbs": [], "load_avg": []} for t in threads}
+for r in range(rounds):  # thread counts alternate, each beside its own bandwidth probe (same load)
+    for t in threads:
+        set_threads(t)
+        rec = out[str(t)]
+        rec["load_avg"].append(os.getloadavg()[0])
+        rec["bandwidth_gbs"].append(read_bandwidth([t], gib=gib, repeats=3)[str(t)]["best_gbs"])
+        for i in range(n_tokens):
+            s = time.perf_counter()
+            logits, _ = target.forward(np.array([tok]), cache)
+            tok = int(np.argmax(logits[-1]))
+            rec["step_s"].append(time.perf_counter() - s)
+            ids.append(tok)
 print(json.dumps({"load_s": load_s, "peak_rss_gib_after_load": rss_after_load,
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                  "step_s": times, "tokens": ids}))
+                  "numpy_read_gbs": numpy_read_gbs(gib), "threads": out, "tokens": ids[:64]}))
 """
+
+
+def numpy_read_gbs(gib: float, repeats: int = 5) -> float:
+    """A plain numpy read of a large array (`a.sum()` over gib GiB of uint64: numpy's own
+    single-threaded loop), best of `repeats`, in GB/s: the issue's yardstick, beside the
+    multi-stream probe of bench/bandwidth.py that a GEMV is held to elsewhere."""
+    a = np.ones(int(gib * (1 << 30)) // 8, np.uint64)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/qwen3-30b-a3b-sparse"))
     ap.add_argument("--quantize", default="q4_0", choices=("q4_0", "q8_0", "bf16"))
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--bw-gib", type=float, default=2.0)
+    ap.add_argument("--tokens", type=int, default=12, help="decoded tokens per (round, thread count)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bw-gib", type=float, default=1.0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     out = args.out or HERE / "results" / f"moe_scale_{args.quantize}.json"
+    threads = [int(x) for x in args.threads.split(",")]
 
     t = time.perf_counter()
     model = write_sparse(args.dir)
     write_s = time.perf_counter() - t
     du = subprocess.run(["du", "-sb", "--apparent-size", str(model)], capture_output=True, text=True).stdout.split()[0]
     disk = subprocess.run(["du", "-sb", str(model)], capture_output=True, text=True).stdout.split()[0]
-    load_before = os.getloadavg()
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(max(args.threads, 1)))
-    r = subprocess.run([sys.executable, "-c", CHILD, str(model), args.quantize, str(args.tokens), str(args.threads)],
-                       capture_output=True, text=True, env=env, cwd=ROOT)
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(max(threads)))
+    r = subprocess.run([sys.executable, "-c", CHILD, str(model), args.quantize, str(args.tokens), args.threads,
+                        str(args.rounds), str(args.bw_gib)], capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode:
         sys.exit(f"child failed:\n{r.stderr[-4000:]}")
     child = json.loads(r.stdout.strip().splitlines()[-1])
     sys.path.insert(0, str(HERE))
-    from bandwidth import read_bandwidth
-    from dflash2_numba.families.qwen3_moe import describe_qwen3_moe, resolve_qwen3_moe_config
     from acceptance import cpu_model
+    from dflash2_numba.families.qwen3_moe import describe_qwen3_moe, resolve_qwen3_moe_config
     from dflash2_numba.kernels import isa
 
-    bw = read_bandwidth([args.threads], gib=args.bw_gib)[str(args.threads)]["best_gbs"]
     facts = describe_qwen3_moe(resolve_qwen3_moe_config(json.loads(CONFIG.read_text())))
-    step = float(np.median(child["step_s"]))
     bytes_tok = facts["bytes_read_per_token"][args.quantize]
+    per_threads = {}
+    for tc, rec in child["threads"].items():
+        step, bw = float(np.median(rec["step_s"])), float(np.median(rec["bandwidth_gbs"]))
+        per_threads[tc] = {**rec, "step_s_median": step, "tokens_per_s": 1 / step, "weight_gbs": bytes_tok / step / 1e9,
+                           "bandwidth_gbs_median": bw, "fraction_of_bandwidth": bytes_tok / step / 1e9 / bw,
+                           "fraction_of_numpy_read": bytes_tok / step / 1e9 / child["numpy_read_gbs"]}
     result = {
-        "machine": {"cpu": cpu_model(), "platform": platform.platform(), "cpu_count": os.cpu_count(), "isa_path": isa.selected(),
-                    "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
+        "machine": {"cpu": cpu_model(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "isa_path": isa.selected()},
         "checkpoint": {"dir": "OUT (sparse)", "apparent_bytes": int(du), "disk_bytes": int(disk), "write_s": write_s,
                        "config": str(CONFIG.relative_to(ROOT))},
-        "format": args.quantize, "threads": args.threads,
-        "load_s": child["load_s"], "peak_rss_gib": child["peak_rss_gib"],
-        "peak_rss_gib_after_load": child["peak_rss_gib_after_load"],
-        "decode_step_s_median": step, "tokens_per_s": 1.0 / step, "step_s": child["step_s"],
-        "bytes_read_per_token": bytes_tok, "read_bandwidth_gbs": bw,
-        "weight_gbs": bytes_tok / step / 1e9, "fraction_of_bandwidth": bytes_tok / step / 1e9 / bw,
+        "format": args.quantize, "load_s": child["load_s"], "peak_rss_gib": child["peak_rss_gib"],
+        "peak_rss_gib_after_load": child["peak_rss_gib_after_load"], "bytes_read_per_token": bytes_tok,
+        "numpy_read_gbs": child["numpy_read_gbs"], "threads": per_threads,
         "total_parameters": facts["total_parameters"], "active_parameters_per_token": facts["active_parameters_per_token"],
         "tokens": child["tokens"],
     }
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{args.quantize}, {args.threads} thread(s), {result['machine']['cpu']} ({isa.selected()}): load {child['load_s']:.0f} s, "
-          f"peak RSS {child['peak_rss_gib']:.2f} GiB; decode {1 / step:.2f} tok/s x {bytes_tok / 1e9:.2f} GB/token = "
-          f"{bytes_tok / step / 1e9:.1f} GB/s = {result['fraction_of_bandwidth']:.2f} of the measured {bw:.1f} GB/s")
+    print(f"{args.quantize}, {result['machine']['cpu']} ({isa.selected()}): load {child['load_s']:.0f} s, "
+          f"peak RSS {child['peak_rss_gib']:.2f} GiB; {bytes_tok / 1e9:.2f} GB read per token")
+    for tc, p in per_threads.items():
+        print(f"  {tc} thread(s): {p['tokens_per_s']:.2f} tok/s = {p['weight_gbs']:.1f} GB/s = "
+              f"{p['fraction_of_bandwidth']:.2f} of bench/bandwidth.py's {p['bandwidth_gbs_median']:.1f} GB/s, "
+              f"{p['fraction_of_numpy_read']:.2f} of a plain numpy read ({child['numpy_read_gbs']:.1f} GB/s); "
+              f"load avg {np.median(p['load_avg']):.1f}")
 
 
 if __name__ == "__main__":
