@@ -1,12 +1,19 @@
 """Greedy decode speed side by side, one run, same weights: this project vs llama.cpp vs transformers.
 
-    python bench/bench_vs_llamacpp.py [--quantize bf16|q8_0|q4_0] [--rounds 5] [--tokens 128] [--threads 1,2] [--prompt-len 16]
+    python bench/bench_vs_llamacpp.py [--model dense|moe] [--quantize bf16|q8_0|q4_0] [--rounds 5] [--tokens 128] [--threads 1,2] [--prompt-len 16]
         [--engines dflash2-numba,llama.cpp,transformers] [--check-tokens 32] [--bw-gib 1]
         [--cache-dir DIR] [--out bench/results/vs_llamacpp.json] [--llama-no-extra-bufts]
 
 The model is the ~120M-parameter random Qwen3 bf16 checkpoint that bench/bench_target.py writes
 (its SHAPE / model_dir(): hidden 768, inter 2048, 12 layers, 12 heads, 4 KV heads, head_dim 64,
-vocab 32000, untied head). Each engine decodes greedily one token at a time over its KV cache
+vocab 32000, untied head). --model moe: the random Qwen3-MoE of MOE_SHAPE below (Qwen3-30B-A3B
+at half its width: hidden 1024, 16 q / 4 kv heads of 128, 64 experts top-8 of width 384,
+norm_topk_prob true, 12 layers, vocab 32000; ~2 GB of bf16, written once by write_moe_target with
+the Hub's per-expert names) against llama.cpp only, its GGUF `qwen3moe` (write_gguf: router F32
+`ffn_gate_inp`, experts stacked into `ffn_{gate,up,down}_exps`); weight GB/s then counts the ACTIVE
+bytes per token (attention, router, k of E experts, head); default --out vs_llamacpp_moe[_fmt].json.
+On this VM llama.cpp needs --llama-no-extra-bufts for q8_0 MoE (SIGILL with its extra buffer types: repacked / AMX weights).
+Each engine decodes greedily one token at a time over its KV cache
 after the same prompt of fixed token ids (default_rng(0), 16 ids below 1000); only the
 single-token steps are timed (argmax included):
 
