@@ -134,7 +134,7 @@ class Agg:
         self.mismatches += not matched
         self.per_prompt.append({"prompt": i, "tau": s.tau, "matched": matched, "steps": s.steps,
                                 "new_tokens": s.new_tokens, "decode_s": s.decode_s,
-                                "finish_reason": result.finish_reason})
+                                "finish_reason": result.finish_reason, "loadavg_1min": os.getloadavg()[0]})
 
     @property
     def tau(self) -> float:
@@ -229,6 +229,7 @@ def run(args) -> dict:
     print(f"warm-up {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     aggs = [Agg(name, kind, Q) for name, kind, Q, _ in configs]
+    load_before = os.getloadavg()
     for i, ids in enumerate(prompt_ids):
         ref = None
         for agg, (_, _, Q, draft) in zip(aggs, configs):
@@ -241,6 +242,7 @@ def run(args) -> dict:
 
     base = aggs[0].tokens_per_s
     result = {"machine": machine_info(threads),
+              "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
               "settings": {"target": shown(args.target), "dflash2": shown(args.dflash2),
                            "dflash": shown(args.dflash), "prompts": shown(args.prompts),
                            "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
@@ -272,6 +274,10 @@ def format_table(result: dict) -> str:
         lines.append(f"tau(DFlash2) - tau(DFlash) at Q={Q}: {d:+.3f}")
     m = result["machine"]
     lines.append(f"{m.get('cpu_model', '?')}, {m['cpu_count']} cpus, numba threads {m['numba_threads']}, {m['platform']}, {m['date']}")
+    if "load_average" in result:
+        la = result["load_average"]
+        lines.append(f"load average (1 min) {la['before'][0]:.2f} -> {la['after'][0]:.2f}; isa "
+                     f"{result['settings'].get('isa', {}).get('isa')}")
     return "\n".join(lines)
 
 

@@ -1,12 +1,19 @@
 """Greedy decode speed side by side, one run, same weights: this project vs llama.cpp vs transformers.
 
-    python bench/bench_vs_llamacpp.py [--quantize bf16|q8_0|q4_0] [--rounds 5] [--tokens 128] [--threads 1,2] [--prompt-len 16]
+    python bench/bench_vs_llamacpp.py [--model dense|moe] [--quantize bf16|q8_0|q4_0] [--rounds 5] [--tokens 128] [--threads 1,2] [--prompt-len 16]
         [--engines dflash2-numba,llama.cpp,transformers] [--check-tokens 32] [--bw-gib 1]
         [--cache-dir DIR] [--out bench/results/vs_llamacpp.json] [--llama-no-extra-bufts]
 
 The model is the ~120M-parameter random Qwen3 bf16 checkpoint that bench/bench_target.py writes
 (its SHAPE / model_dir(): hidden 768, inter 2048, 12 layers, 12 heads, 4 KV heads, head_dim 64,
-vocab 32000, untied head). Each engine decodes greedily one token at a time over its KV cache
+vocab 32000, untied head). --model moe: the random Qwen3-MoE of MOE_SHAPE below (Qwen3-30B-A3B
+at half its width: hidden 1024, 16 q / 4 kv heads of 128, 64 experts top-8 of width 384,
+norm_topk_prob true, 12 layers, vocab 32000; ~2 GB of bf16, written once by write_moe_target with
+the Hub's per-expert names) against llama.cpp only, its GGUF `qwen3moe` (write_gguf: router F32
+`ffn_gate_inp`, experts stacked into `ffn_{gate,up,down}_exps`); weight GB/s then counts the ACTIVE
+bytes per token (attention, router, k of E experts, head); default --out vs_llamacpp_moe[_fmt].json.
+On this VM llama.cpp needs --llama-no-extra-bufts for q8_0 MoE (SIGILL with its extra buffer types: repacked / AMX weights).
+Each engine decodes greedily one token at a time over its KV cache
 after the same prompt of fixed token ids (default_rng(0), 16 ids below 1000); only the
 single-token steps are timed (argmax included):
 
@@ -93,6 +100,9 @@ GGML_TYPE_BF16 = 30
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--model", choices=("dense", "moe"), default="dense",
+                    help="dense: bench_target.py's random Qwen3; moe: the random Qwen3-MoE of MOE_SHAPE "
+                         "(Qwen3-30B-A3B's proportions, see the docstring)")
     ap.add_argument("--quantize", choices=("bf16",) + QUANT_TYPES_NAMES, default="bf16",
                     help="weight format of both engines (see the docstring)")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per timed decode")
@@ -111,11 +121,12 @@ def parse_args(argv=None):
                     help="default bench/results/vs_llamacpp.json (vs_llamacpp_<format>.json when quantized)")
     args = ap.parse_args(argv)
     if args.out is None:
-        args.out = HERE / "results" / ("vs_llamacpp.json" if args.quantize == "bf16" else f"vs_llamacpp_{args.quantize}.json")
+        stem = "vs_llamacpp" + ("_moe" if args.model == "moe" else "")
+        args.out = HERE / "results" / (f"{stem}.json" if args.quantize == "bf16" else f"{stem}_{args.quantize}.json")
     args.threads = [int(t) for t in args.threads.split(",") if t.strip()]
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if args.quantize != "bf16":  # transformers has no q8_0 / q4_0 of these weights
-        args.engines = [e for e in args.engines if e != "transformers"]
+    if args.quantize != "bf16" or args.model == "moe":  # transformers: no q8_0 / q4_0; the MoE model is timed
+        args.engines = [e for e in args.engines if e != "transformers"]  # against llama.cpp only
     unknown = sorted(set(args.engines) - set(ENGINES))
     if unknown or not args.threads or min(args.threads) < 1 or args.rounds < 1 or args.tokens < 1:
         ap.error(f"bad --engines {unknown} (known: {', '.join(ENGINES)}) / --threads / --rounds / --tokens")
@@ -138,13 +149,111 @@ from bandwidth import read_bandwidth  # noqa: E402  (bench/bandwidth.py: four-st
 from bench_target import SHAPE, decode, model_dir  # noqa: E402
 from dflash2_numba.checkpoint import open_checkpoint  # noqa: E402
 from dflash2_numba.families.qwen3 import load_target_config  # noqa: E402
-from dflash2_numba.numerics import bf16_to_f32_array  # noqa: E402
+from dflash2_numba.numerics import bf16_to_f32_array, f32_to_bf16_array  # noqa: E402
 
 
-# ---------------------------------------------------------------- GGUF (llama.cpp's qwen3 layout)
-def gguf_tensor_names(num_layers: int, tied: bool) -> dict[str, str]:
-    """HF tensor name -> llama.cpp GGUF tensor name (gguf-py's TENSOR_NAMES for MODEL_ARCH.QWEN3).
-    Qwen3 uses NeoX RoPE in llama.cpp (as in HF), so q / k need no permutation."""
+# ---------------------------------------------------------------- the MoE benchmark model
+# Qwen3-30B-A3B (hidden 2048, 48 layers, 32 q / 4 kv heads of 128, 128 experts top-8 of width 768,
+# norm_topk_prob true, vocab 151936) at half its width: hidden 1024, 16 q / 4 kv heads of 128 (q rows
+# = 2 x hidden and 512 kv rows as there), 64 experts top-8 of width 384, vocab 32000, 12 layers.
+# Per layer 5.2M attention + 75.5M expert parameters (9.4M of them active per token): 12 layers hold
+# 1.03 B parameters = 1.1 GB at q8_0, twice this VM's reported L3 (480 MiB) and far above what one
+# core of it gets, so the experts a token picks stream from memory as a 30B-A3B's do; 12 (not 8)
+# layers keep the head (32.8M parameters, read by every token) at ~16% of the active bytes.
+MOE_SHAPE = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
+                 head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384,
+                 intermediate_size=3072, norm_topk_prob=True, vocab_size=32000, tie_word_embeddings=False)
+MOE_NAME = "bench_vs_llamacpp_qwen3moe_h1024_e64k8_l12_bf16"
+
+
+def write_moe_target(path, *, seed: int = 0, init_std: float = 0.05, router_std: float | None = None,
+                     num_shards: int = 4, **shape) -> Path:
+    """A random Qwen3MoeForCausalLM in bf16 as a Hugging Face directory: the Hub's per-expert names
+    (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, router `mlp.gate.weight`), the
+    config keys of Qwen3-30B-A3B's config.json, the tiny tokenizer (ids < ~1000 are text; the rest
+    of the vocabulary is padding). Every matrix N(0, init_std); routers N(0, router_std) (default
+    4 / sqrt(H): logits of std ~4 on a normed row, so routing varies token to token and ties are
+    rare); norms 1 + N(0, 0.1)."""
+    from dflash2_numba import tiny
+
+    c = dict(MOE_SHAPE, **shape)
+    H, L, nh, nkv, hd = (c[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                         "num_key_value_heads", "head_dim"))
+    E, I, V = c["num_experts"], c["moe_intermediate_size"], c["vocab_size"]
+    router_std = 4.0 / np.sqrt(H) if router_std is None else router_std
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def mat(name, shape, std=init_std):  # bf16 bits of N(0, std)
+        rng = tiny._rng(seed, name)
+        return f32_to_bf16_array(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+
+    def norm(name, n):
+        return f32_to_bf16_array(tiny._norm_weight(seed, name, n))
+
+    w = {"model.embed_tokens.weight": mat("model.embed_tokens.weight", (V, H))}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(p + "input_layernorm.weight", H)
+        for proj, shp in (("q_proj", (nh * hd, H)), ("k_proj", (nkv * hd, H)), ("v_proj", (nkv * hd, H)),
+                          ("o_proj", (H, nh * hd))):
+            w[p + f"self_attn.{proj}.weight"] = mat(p + f"self_attn.{proj}.weight", shp)
+        for nm in ("q_norm", "k_norm"):
+            w[p + f"self_attn.{nm}.weight"] = norm(p + f"self_attn.{nm}.weight", hd)
+        w[p + "post_attention_layernorm.weight"] = norm(p + "post_attention_layernorm.weight", H)
+        w[p + "mlp.gate.weight"] = mat(p + "mlp.gate.weight", (E, H), router_std)
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            for proj, shp in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                w[q + f"{proj}.weight"] = mat(q + f"{proj}.weight", shp)
+    w["model.norm.weight"] = norm("model.norm.weight", H)
+    if not c["tie_word_embeddings"]:
+        w["lm_head.weight"] = mat("lm_head.weight", (V, H))
+    tiny._write_weights(d, w, num_shards)
+    del w
+    tok = tiny.train_tiny_tokenizer(1000)
+    config = {  # Qwen3-30B-A3B's config.json keys
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None, "decoder_sparse_step": 1,
+        "head_dim": hd, "hidden_act": "silu", "hidden_size": H, "initializer_range": init_std,
+        "intermediate_size": c["intermediate_size"], "max_position_embeddings": 4096, "max_window_layers": L,
+        "mlp_only_layers": [], "moe_intermediate_size": I, "norm_topk_prob": c["norm_topk_prob"],
+        "num_attention_heads": nh, "num_experts": E, "num_experts_per_tok": c["num_experts_per_tok"],
+        "num_hidden_layers": L, "num_key_value_heads": nkv, "output_router_logits": False,
+        "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 1e6, "router_aux_loss_coef": 0.001,
+        "sliding_window": None, "tie_word_embeddings": c["tie_word_embeddings"], "torch_dtype": "bfloat16",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": V,
+    }
+    (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tiny.write_tokenizer_files(d, tok, "qwen3", 4096, chat_template=False)
+    return d
+
+
+def moe_model_dir(cache_dir: Path) -> Path:
+    d = cache_dir / MOE_NAME
+    done = d / ".complete"
+    if not done.exists():
+        print(f"writing the MoE benchmark model to {d} (once, ~2 GB) ...", file=sys.stderr, flush=True)
+        write_moe_target(d, seed=0)
+        done.write_text("ok\n")
+    return d
+
+
+def read_target_config(src_dir: Path):
+    """The resolved config of a Qwen3 or Qwen3-MoE directory (the family's own resolver)."""
+    from dflash2_numba.config import read_config_json
+    from dflash2_numba.families.qwen3_moe import is_qwen3_moe, resolve_qwen3_moe_config
+
+    path, raw = read_config_json(src_dir)
+    return resolve_qwen3_moe_config(raw, str(path)) if is_qwen3_moe(raw) else load_target_config(src_dir)
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's qwen3 / qwen3moe layout)
+def gguf_tensor_names(num_layers: int, tied: bool, moe_layers=()) -> dict[str, str]:
+    """HF tensor name -> llama.cpp GGUF tensor name (gguf-py's TENSOR_NAMES for MODEL_ARCH.QWEN3 /
+    QWEN3MOE). Qwen3 uses NeoX RoPE in llama.cpp (as in HF), so q / k need no permutation. In a
+    MoE layer the router `mlp.gate.weight` is `ffn_gate_inp`; the experts have no one-to-one
+    name (write_gguf stacks them into `ffn_{gate,up,down}_exps`)."""
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if not tied:
         names["lm_head.weight"] = "output.weight"
@@ -152,37 +261,59 @@ def gguf_tensor_names(num_layers: int, tied: bool) -> dict[str, str]:
         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     }
+    dense = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for i in range(num_layers):
-        for hf, gg in per_layer.items():
+        for hf, gg in (per_layer | ({"mlp.gate": "ffn_gate_inp"} if i in moe_layers else dense)).items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
     return names
 
 
+EXPERT_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
 def write_gguf(src_dir: str | Path, out_path: str | Path) -> Path:
-    """Write a Qwen3 safetensors checkpoint (HF directory) as a GGUF llama.cpp loads: `qwen3`
-    metadata, BF16 / F16 / F32 matrices kept in their stored type (bytes copied), 1-D norm weights
-    as F32 (bf16 -> f32 is exact), and a vocabulary of `vocab_size` dummy tokens
-    (tokenizer.ggml.model = "none"): enough to evaluate raw token ids. Written to a temporary name
-    and renamed, so a half-written file is never taken for a GGUF."""
+    """Write a Qwen3 or Qwen3-MoE safetensors checkpoint (HF directory) as a GGUF llama.cpp loads:
+    `qwen3` / `qwen3moe` metadata, BF16 / F16 / F32 matrices kept in their stored type (bytes
+    copied), 1-D norm weights as F32 (bf16 -> f32 is exact), and a vocabulary of `vocab_size`
+    dummy tokens (tokenizer.ggml.model = "none"): enough to evaluate raw token ids. Written to a
+    temporary name and renamed, so a half-written file is never taken for a GGUF.
+
+    Qwen3-MoE as llama.cpp's convert_hf_to_gguf.py (Qwen3MoeModel <- Qwen2MoeModel) writes it:
+    the router `mlp.gate.weight` [E, H] -> `blk.N.ffn_gate_inp.weight` in F32 (the converter keeps
+    it F32 and llama_model_quantize never quantizes it); each projection's experts stacked into
+    one 3-D tensor `blk.N.ffn_{gate,up,down}_exps.weight` of numpy shape [E, I, H] / [E, H, I]
+    (ggml ne {H, I, E} / {I, H, E}), bytes as stored; keys qwen3moe.expert_count,
+    expert_used_count, expert_feed_forward_length. llama.cpp's qwen3moe graph softmaxes the router
+    over all E, takes the top k and renormalises them (build_moe_ffn norm_w = true), so only
+    norm_topk_prob = true checkpoints without dense layers are written."""
     import gguf
 
     src_dir, out_path = Path(src_dir), Path(out_path)
-    cfg = load_target_config(src_dir)
-    if cfg.architecture != "Qwen3ForCausalLM":
-        raise ValueError(f"{src_dir}: write_gguf writes Qwen3ForCausalLM only, not {cfg.architecture} "
-                         "(a Llama target needs llama.cpp's Q/K permutation)")
+    cfg = read_target_config(src_dir)
+    moe = cfg.architecture == "Qwen3MoeForCausalLM"
+    if cfg.architecture not in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        raise ValueError(f"{src_dir}: write_gguf writes Qwen3ForCausalLM / Qwen3MoeForCausalLM only, not "
+                         f"{cfg.architecture} (a Llama target needs llama.cpp's Q/K permutation)")
     if any(w is not None for w in cfg.layer_window):
         raise ValueError(f"{src_dir}: sliding-window layers are not written to GGUF here")
+    moe_layers = cfg.moe_layers if moe else []
+    if moe and (not cfg.norm_topk_prob or len(moe_layers) != cfg.num_hidden_layers):
+        raise ValueError(f"{src_dir}: llama.cpp's qwen3moe renormalises the top-k weights and has no dense "
+                         "layers: norm_topk_prob must be true and mlp_only_layers empty")
     ck = open_checkpoint(src_dir)
-    names = gguf_tensor_names(cfg.num_hidden_layers, cfg.tie_word_embeddings)
-    unmapped = sorted(set(ck.names()) - set(names))
+    names = gguf_tensor_names(cfg.num_hidden_layers, cfg.tie_word_embeddings, moe_layers)
+    experts = {n for n in ck.names() if ".mlp.experts." in n} if moe else set()
+    unmapped = sorted(set(ck.names()) - set(names) - experts)
     if unmapped:
         raise ValueError(f"{src_dir}: tensors with no GGUF name: {unmapped[:5]}")
+    if moe and (len(experts) != 3 * cfg.num_experts * len(moe_layers)):
+        raise ValueError(f"{src_dir}: expected the per-expert layout (3 x {cfg.num_experts} tensors per layer), "
+                         f"found {len(experts)} expert tensors")
 
+    arch = "qwen3moe" if moe else "qwen3"
     tmp = out_path.with_name(out_path.name + ".partial")
-    w = gguf.GGUFWriter(tmp, arch="qwen3")
+    w = gguf.GGUFWriter(tmp, arch=arch)
     w.add_name(src_dir.name)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     w.add_context_length(cfg.max_position_embeddings)
@@ -196,12 +327,18 @@ def write_gguf(src_dir: str | Path, out_path: str | Path) -> Path:
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_theta))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    if moe:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("none")  # llama-vocab.cpp: LLAMA_VOCAB_TYPE_NONE, vocab_size dummy tokens
     raw_types = {"BF16": gguf.GGMLQuantizationType.BF16}
     for hf_name in ck.names():
+        if hf_name in experts:
+            continue
         arr, dtype = ck.get(hf_name), ck.info(hf_name).dtype
-        if arr.ndim == 1:  # norm weights: F32 (ggml's rms_norm multiplies by an f32 weight)
+        if arr.ndim == 1 or hf_name.endswith(".mlp.gate.weight"):  # norms and routers: F32 (exact from bf16)
             w.add_tensor(names[hf_name], bf16_to_f32_array(arr) if dtype == "BF16" else arr.astype(np.float32))
         elif dtype in raw_types:
             w.add_tensor(names[hf_name], arr, raw_dtype=raw_types[dtype])
@@ -209,6 +346,13 @@ def write_gguf(src_dir: str | Path, out_path: str | Path) -> Path:
             w.add_tensor(names[hf_name], arr)
         else:
             raise ValueError(f"{src_dir}: {hf_name} has dtype {dtype}; expected BF16, F16 or F32")
+    for i in moe_layers:  # the experts, stacked per projection: [E, rows, cols]
+        for proj, gg in EXPERT_GGUF.items():
+            parts = [ck.get(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight") for e in range(cfg.num_experts)]
+            dtypes = {ck.info(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight").dtype for e in range(cfg.num_experts)}
+            if dtypes != {"BF16"}:
+                raise ValueError(f"{src_dir}: layer {i} {proj} experts have dtypes {sorted(dtypes)}; expected BF16")
+            w.add_tensor(f"blk.{i}.{gg}.weight", np.stack(parts), raw_dtype=raw_types["BF16"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -255,16 +399,30 @@ def quantized_gguf(src_dir: Path, fmt: str) -> Path:
 def weight_bytes_per_token(src_dir: Path, fmt: str = "bf16") -> int:
     """Bytes of weights every decoded token reads, at 2 bytes/param (q8_0: 34/32, q4_0: 18/32,
     llama.cpp's block sizes): every layer matrix and the head (a tied head is the embedding; an
-    untied model's embedding contributes one row)."""
+    untied model's embedding contributes one row). A MoE layer counts its router (kept bf16 by
+    this project, F32 by llama.cpp: counted at 2 bytes) and k of its E experts: the ACTIVE bytes."""
     from dflash2_numba.quant.formats import BYTES_PER_WEIGHT
 
-    cfg = load_target_config(src_dir)
+    cfg = read_target_config(src_dir)
     ck = open_checkpoint(src_dir)
-    n = sum(int(np.prod(ck.info(k).shape)) for k in ck.names()
-            if len(ck.info(k).shape) == 2 and k != "model.embed_tokens.weight")
+    moe = cfg.architecture == "Qwen3MoeForCausalLM"
+    n = n_router = n_experts = 0
+    for k in ck.names():
+        shape = ck.info(k).shape
+        if len(shape) != 2 or k == "model.embed_tokens.weight":
+            continue
+        size = int(np.prod(shape))
+        if moe and k.endswith(".mlp.gate.weight"):
+            n_router += size
+        elif moe and ".mlp.experts." in k:
+            n_experts += size
+        else:
+            n += size
     if cfg.tie_word_embeddings:
         n += int(np.prod(ck.info("model.embed_tokens.weight").shape))
-    return int(BYTES_PER_WEIGHT[fmt] * n)
+    if moe:
+        n += n_experts * cfg.num_experts_per_tok // cfg.num_experts
+    return int(BYTES_PER_WEIGHT[fmt] * n + 2 * n_router)
 
 
 # ---------------------------------------------------------------- engines
@@ -275,9 +433,11 @@ class NumbaEngine:
         import numba
 
         from dflash2_numba.families.qwen3 import TargetModel
+        from dflash2_numba.families.qwen3_moe import Qwen3MoeModel
 
         self.numba = numba
-        self.target = TargetModel.load(src_dir, device="cpu", quantize=None if args.quantize == "bf16" else args.quantize)
+        cls = Qwen3MoeModel if getattr(args, "model", "dense") == "moe" else TargetModel
+        self.target = cls.load(src_dir, device="cpu", quantize=None if args.quantize == "bf16" else args.quantize)
 
     def set_threads(self, n: int) -> None:
         self.numba.set_num_threads(n)
@@ -466,7 +626,8 @@ def main(args) -> int:
     import numba
 
     load_before = os.getloadavg()
-    src = model_dir(args.cache_dir)
+    src = moe_model_dir(args.cache_dir) if args.model == "moe" else model_dir(args.cache_dir)
+    shape = MOE_SHAPE if args.model == "moe" else SHAPE
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 1000, args.prompt_len)]
     n_warm = max(args.tokens, args.check_tokens)
     skipped, warnings = {}, []
@@ -567,7 +728,8 @@ def main(args) -> int:
                                   "same model")
     print()
     print(f"isa path: {isa_facts()}")
-    print(f"model: random Qwen3 {SHAPE}, {args.quantize} weights ({wbytes / 1e6:.1f} MB read per token); prompt "
+    print(f"model: random {'Qwen3-MoE' if args.model == 'moe' else 'Qwen3'} {shape}, {args.quantize} weights "
+          f"({wbytes / 1e6:.1f} MB {'of ACTIVE weights ' if args.model == 'moe' else ''}read per token); prompt "
           f"{args.prompt_len} ids, {args.tokens} timed single-token steps, median of {args.rounds} alternating rounds")
     print(f"cpu: {machine_facts().get('cpu_model')}; load average {load_before[0]:.2f} -> {load_after[0]:.2f}; "
           f"numba threading layer {numba.threading_layer()}")
@@ -607,7 +769,8 @@ def main(args) -> int:
         "numba_threading_layer": numba.threading_layer(), "quantize": args.quantize, "isa": isa_facts(),
         "settings": {"rounds": args.rounds, "tokens": args.tokens, "threads": args.threads, "prompt_ids": prompt,
                      "check_tokens": args.check_tokens, "pause_s": args.pause, "bw_gib": args.bw_gib,
-                     "llama_no_extra_bufts": args.llama_no_extra_bufts, "model_shape": SHAPE, "model_dir": str(src),
+                     "llama_no_extra_bufts": args.llama_no_extra_bufts, "model": args.model, "model_shape": shape,
+                     "model_dir": src.name,
                      "weight_bytes_per_token": wbytes, "gguf_layout": GGUF_LAYOUT},
         "engines": {e.name: engine_facts(e) for e in engines}, "skipped": skipped,
         "load_average": {"before": list(load_before), "after": list(load_after)},

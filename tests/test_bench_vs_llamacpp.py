@@ -87,7 +87,7 @@ def test_gguf_round_trip(bench, tmp_path, tied):
 
 def test_gguf_refuses_llama(bench, tmp_path):
     src = tiny.write_target(tmp_path / "l", architecture="llama", seed=0, **SHAPE)
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM only"):
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM / Qwen3MoeForCausalLM only"):
         bench.write_gguf(src, tmp_path / "l.gguf")
     assert not (tmp_path / "l.gguf").exists()
 
@@ -106,3 +106,94 @@ def test_agreement(bench):
     assert a == {"compared": 6, "prefix_agree": 4, "positions_agree": 5, "first_divergence": 4, "ok": True}
     assert not bench.agreement([1, 2, 3, 4], [1, 7, 3, 4], 4)["ok"]
     assert bench.agreement([1, 2], [1, 2], 32)["first_divergence"] is None
+
+
+# ---------------------------------------------------------------- the MoE model (--model moe)
+MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96, vocab_size=1024)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(bench, tmp_path_factory):
+    return bench.write_moe_target(tmp_path_factory.mktemp("moe") / "m", seed=2, num_shards=2, **MOE)
+
+
+def test_moe_checkpoint_loads_as_qwen3_moe(bench, moe_dir):
+    """The written checkpoint is a Qwen3MoeForCausalLM by the family's own inventory (per-expert names)."""
+    from dflash2_numba import load_target
+
+    t = load_target(moe_dir)
+    c = t.config
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (8, 2, 48, True)
+    assert c.moe_layers == [0, 1]
+    ck = open_checkpoint(moe_dir)
+    assert ck.info("model.layers.1.mlp.experts.7.down_proj.weight").shape == (64, 48)
+    assert ck.info("model.layers.0.mlp.gate.weight").shape == (8, 64)
+
+
+def test_moe_gguf_round_trip(bench, moe_dir, tmp_path):
+    out = bench.write_gguf(moe_dir, tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(out)
+    got = {t.name: t for t in reader.tensors}
+    ck = open_checkpoint(moe_dir)
+    L, H, E, I, V = (MOE[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size",
+                                      "vocab_size"))
+    nq, nkv = MOE["num_attention_heads"] * MOE["head_dim"], MOE["num_key_value_heads"] * MOE["head_dim"]
+    ne = {"token_embd.weight": (H, V), "output_norm.weight": (H,), "output.weight": (H, V)}
+    for i in range(L):
+        ne.update({f"blk.{i}.attn_q.weight": (H, nq), f"blk.{i}.attn_k.weight": (H, nkv),
+                   f"blk.{i}.attn_v.weight": (H, nkv), f"blk.{i}.attn_output.weight": (nq, H),
+                   f"blk.{i}.attn_norm.weight": (H,), f"blk.{i}.ffn_norm.weight": (H,),
+                   f"blk.{i}.attn_q_norm.weight": (MOE["head_dim"],), f"blk.{i}.attn_k_norm.weight": (MOE["head_dim"],),
+                   f"blk.{i}.ffn_gate_inp.weight": (H, E),  # llama.cpp: {n_embd, n_expert}
+                   f"blk.{i}.ffn_gate_exps.weight": (H, I, E), f"blk.{i}.ffn_up_exps.weight": (H, I, E),
+                   f"blk.{i}.ffn_down_exps.weight": (I, H, E)})
+    assert set(got) == set(ne)
+    for name, shape in ne.items():
+        assert tuple(int(x) for x in got[name].shape) == shape, name
+    for i in range(L):
+        router = got[f"blk.{i}.ffn_gate_inp.weight"]
+        assert router.tensor_type == gguf.GGMLQuantizationType.F32  # as llama.cpp's converter keeps it
+        w = ck.get(f"model.layers.{i}.mlp.gate.weight")
+        np.testing.assert_array_equal(np.asarray(router.data).reshape(E, H), (w.astype(np.uint32) << 16).view(np.float32))
+        for proj, gg in bench.EXPERT_GGUF.items():
+            t = got[f"blk.{i}.{gg}.weight"]
+            assert t.tensor_type == gguf.GGMLQuantizationType.BF16
+            stacked = np.stack([ck.get(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight") for e in range(E)])
+            assert np.asarray(t.data).tobytes() == stacked.tobytes(), (i, proj)  # expert e = slice e
+    meta = _fields(reader)
+    expect = {"general.architecture": "qwen3moe", "qwen3moe.expert_count": E,
+              "qwen3moe.expert_used_count": MOE["num_experts_per_tok"], "qwen3moe.expert_feed_forward_length": I,
+              "qwen3moe.block_count": L, "qwen3moe.embedding_length": H, "qwen3moe.vocab_size": V,
+              "qwen3moe.attention.head_count": MOE["num_attention_heads"],
+              "qwen3moe.attention.head_count_kv": MOE["num_key_value_heads"],
+              "qwen3moe.attention.key_length": MOE["head_dim"], "tokenizer.ggml.model": "none"}
+    for k, v in expect.items():
+        assert meta.get(k) == v, (k, meta.get(k))
+
+
+def test_moe_gguf_refuses_what_llama_cpp_would_compute_differently(bench, tmp_path):
+    """llama.cpp's qwen3moe always renormalises the top k and has no dense layers."""
+    import json
+
+    for key, value in (("norm_topk_prob", False), ("mlp_only_layers", [1])):
+        src = bench.write_moe_target(tmp_path / key, seed=0, num_shards=1, **MOE)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg[key] = value
+        (src / "config.json").write_text(json.dumps(cfg))
+        if key == "mlp_only_layers":  # layer 1 then holds a dense MLP, as the inventory expects
+            with pytest.raises(ValueError, match="norm_topk_prob must be true and mlp_only_layers empty"):
+                bench.write_gguf(src, tmp_path / f"{key}.gguf")
+            continue
+        with pytest.raises(ValueError, match="norm_topk_prob must be true"):
+            bench.write_gguf(src, tmp_path / f"{key}.gguf")
+
+
+def test_moe_weight_bytes_per_token_counts_active_experts(bench, moe_dir):
+    L, H, E, k, I, V = (MOE[x] for x in ("num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok",
+                                         "moe_intermediate_size", "vocab_size"))
+    nq, nkv = MOE["num_attention_heads"] * MOE["head_dim"], MOE["num_key_value_heads"] * MOE["head_dim"]
+    dense = L * (2 * H * nq + 2 * H * nkv + k * 3 * H * I) + V * H  # attention + k experts + head
+    router = L * E * H
+    assert bench.weight_bytes_per_token(moe_dir, "bf16") == 2 * dense + 2 * router
+    assert bench.weight_bytes_per_token(moe_dir, "q8_0") == int(34 / 32 * dense + 2 * router)
