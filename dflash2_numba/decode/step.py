@@ -115,7 +115,7 @@ class Decoding:
 
     def __init__(self, target, draft, prompt_ids: list[int], max_new: int, Q: int,
                  sampling: SamplingParams, stop_token_ids, text: bool = True,
-                 logprobs: int | None = None, prompt_logprobs: bool = False):
+                 logprobs: int | None = None, prompt_logprobs: bool = False, width=None):
         tok = tokenizer_of(target)
         if tok is not None:
             self.stops = set(tok.stop_ids(stop_token_ids))
@@ -130,7 +130,10 @@ class Decoding:
         self.max_new = int(max_new)
         self.max_len = self.n + self.max_new
         self.tap_layers = tuple(draft.target_layer_ids) if draft is not None else ()
-        self.stats = DecodeStats(block_size=self.Q, prompt_tokens=self.n, threads=numba.get_num_threads())
+        # the verify width rule (decode/width.py; None: every step verifies min(Q, budget) rows)
+        self.width = width if draft is not None else None
+        self.stats = DecodeStats(block_size=self.Q, prompt_tokens=self.n, threads=numba.get_num_threads(),
+                                 width="fixed" if self.width is None else getattr(self.width, "name", "custom"))
         self.ids = list(prompt_ids)  # prompt + committed tokens
         self.finish_reason: str | None = None
         self.cache = None  # target cache, made at the first prefill chunk
@@ -139,6 +142,8 @@ class Decoding:
         self.ctx_taps, self.ctx_start = None, 0  # committed tokens not yet in the draft context
         self.start = self.n  # anchor position
         self.Bv = 0  # rows verified by the step in progress
+        self.kmax = 0  # drafts the step in progress could verify (block and budget)
+        self._drafted = False  # the step in progress ran the draft
         self._drafts, self._q, self._t0 = np.zeros(0, np.int64), None, 0.0
         self.logprobs = logprobs  # top N per token, None: not computed
         self.prompt_logprobs = bool(prompt_logprobs)
@@ -202,14 +207,22 @@ class Decoding:
     def begin_step(self) -> DraftCall | None:
         """Start a step: Bv = rows to verify; when a draft runs (Bv >= 2), the draft work to do:
         the context update and the proposal (the draft always runs the runtime Q rows: its
-        block is non-causal, so its length changes every row; the budget only trims the verify)."""
+        block is non-causal, so its length changes every row; the budget only trims the verify).
+        With a width rule, the rule may decide on a plain target step (Bv = 1, no draft): the
+        committed tokens' taps then wait in ctx_taps and reach the draft context at the next
+        drafted step, so speculation resumes on a complete context."""
         assert self.cache.length == self.start and len(self.ids) == self.start + 1, (
             self.cache.length, self.start, len(self.ids))
         self.Bv = min(self.Q, self.max_len - 1 - self.start)  # remaining budget
+        self.kmax, self._drafted = self.Bv - 1, False
         self._drafts, self._q = np.zeros(0, np.int64), None
         self._t0 = time.perf_counter()
         if self.Bv < 2:
             return None
+        if self.width is not None and not self.width.draft_now(self.kmax):
+            self.Bv = 1  # a plain target step
+            return None
+        self._drafted = True
         context = (self.ctx_taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
         self.ctx_taps, self.ctx_start = None, self.start
         return DraftCall(self.dstate, context, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
@@ -222,6 +235,8 @@ class Decoding:
             if drafts.shape != (Q - 1,):
                 raise RuntimeError(f"{type(self.draft).__name__}.propose returned {drafts.shape[0]} drafts "
                                    f"for a {Q}-row block (expected {Q - 1})")
+            if self.width is not None:  # k drafts to verify, from the draft's distributions (decode/width.py)
+                Bv = self.Bv = 1 + self.width.choose(prop, self.kmax)
             self._drafts = drafts[:Bv - 1]  # [Bv-1]
             self._q = None if q is None else q[:Bv - 1]  # [Bv-1, V]
             if self._q is not None:
@@ -241,7 +256,9 @@ class Decoding:
         t2 = time.perf_counter()
         self.stats.draft_s += self._t1 - self._t0
         self.stats.verify_s += t2 - self._t1
-        self.stats.record_step(self.Bv, a)
+        self.stats.record_step(self.Bv, a, self._drafted)
+        if self.width is not None:
+            self.width.observe(self.Bv - 1, a, self._drafted, self._t1 - self._t0, t2 - self._t1)
         step = self._commit([int(d) for d in self._drafts[:a]] + [x], a)
         self._score(step, logits)  # row j: the distribution of the j-th committed token
         self.stats.decode_s += time.perf_counter() - self._t0
