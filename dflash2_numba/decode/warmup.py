@@ -63,9 +63,9 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
     from .width import AUTO, costs_for, parse_block_size
 
     vocab = max(1, min(target.valid_vocab, target.config.vocab_size))
-    auto = draft is not None and parse_block_size(generate_kwargs.get("block_size", AUTO)) == AUTO
-    Q = (None if auto else parse_block_size(generate_kwargs.get("block_size"))) or (
-        draft.block_size if draft is not None else 1)
+    given = parse_block_size(generate_kwargs.get("block_size", AUTO))
+    auto = draft is not None and given == AUTO
+    Q = 1 if draft is None else (draft.block_size if given in (None, AUTO) else given)
     room = getattr(target.config, "max_position_embeddings", 1 << 30) - Q - 2
     ids = [i % vocab for i in range(1, 1 + max(1, min(_warm_prompt_rows(generate_kwargs.get("prompt_ids")), room)))]
     kw = {k: v for k, v in generate_kwargs.items() if k not in ("prompt_ids", "max_new_tokens", "stop_token_ids")}

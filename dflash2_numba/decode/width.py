@@ -51,19 +51,20 @@ def parse_block_size(value):
         return None if value is None else AUTO
     if isinstance(value, (bool, np.bool_)):
         raise BlockSizeError(f"block_size must be \"auto\" or an integer >= 2, got {value!r}")
+    given = value
     if isinstance(value, str):
         try:
             value = int(value.strip(), 10)
         except ValueError:
             raise BlockSizeError(f"block_size (--block-size) must be \"auto\" or an integer >= 2, "
-                                 f"got {value!r}") from None
+                                 f"got {given!r}") from None
     try:
         ok = int(value) == value
     except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok or int(value) < 2:
         raise BlockSizeError(f"block_size (--block-size) must be \"auto\" or an integer >= 2 (the anchor "
-                             f"row + at least one draft row), got {value!r}")
+                             f"row + at least one draft row), got {given!r}")
     return int(value)
 
 
@@ -365,7 +366,9 @@ class AdaptiveWidth:
             self.plain_run, self.probe_level, self._probe = 0, 0, False
             return True
         self.plain_run += 1
-        if self.plain_run > self.probe_every[self.probe_level]:  # re-test now and then (estimates go stale)
+        # re-test now and then (estimates go stale), unless even drafts that are always accepted
+        # could not pay for their rows
+        if self.plain_run > self.probe_every[self.probe_level] and self._best_value(np.ones(kmax + 1), kmax)[0] > 0:
             self.plain_run, self._probe = 0, True
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
             return True
