@@ -358,3 +358,30 @@ def test_block_size_above_B_refused():
         generate(target, OracleDrafter(target, block_size=4), prompt_ids=[1], max_new_tokens=4, block_size=5)
     with pytest.raises(BlockSizeError):
         generate(target, OracleDrafter(target, block_size=4), prompt_ids=[1], max_new_tokens=4, block_size="abc")
+
+
+# ---------------------------------------------------------------- the drafts' confidences
+def test_draft_confidences_read_the_distributions(tiny_pair):
+    """DFlash v1 greedy: softmax of the draft's logits at its argmax (recomputed here from the
+    block states); sampled: the max of q (the distribution d_j is drawn from), not q(d_j).
+    DFlash2: the walk's conditional top-1 probability, in (0, 1]; sampled: max of q."""
+    from dflash2_numba.decode.sampling import SamplingParams, mask_padded
+
+    target, drafts = tiny_pair
+    prompt = np.arange(1, 9, dtype=np.int64)
+    cache = target.new_cache(32)
+    for kind, draft in drafts.items():
+        cache = target.new_cache(32)
+        _, taps = target.forward(prompt, cache, tap_layers=tuple(draft.target_layer_ids))
+        st = draft.new_state(32)
+        draft.extend_context(st, taps, 0, prompt)
+        g = draft.propose(st, 5, len(prompt), 8, SamplingParams(), np.random.default_rng(0))
+        s = draft.propose(st, 5, len(prompt), 8, SamplingParams(temperature=0.9), np.random.default_rng(0))
+        assert g.confidence.shape == (7,) and np.all((g.confidence > 0) & (g.confidence <= 1))
+        np.testing.assert_allclose(s.confidence, s.q.max(axis=-1), rtol=1e-6)
+        assert np.any(s.confidence != s.q[np.arange(7), s.draft_ids]) or np.all(s.q.max(-1) == 1)
+        if kind == "dflash":
+            h = draft.block_forward([st], [5], [len(prompt)], 8)[1:]
+            z = mask_padded(target.lm_head(h), target.valid_vocab).astype(np.float64)
+            want = np.exp(z.max(-1) - z.max(-1)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1)
+            np.testing.assert_allclose(g.confidence, want, rtol=1e-5)
