@@ -106,15 +106,15 @@ def test_choice_reads_confidences_of_earlier_positions_only():
 
 
 def test_cost_table_is_monotone_and_refreshed_online():
-    t = W.CostTable(np.array([1.0, 0.8, 2.0, 1.5]), 0.5)
-    assert t.verify_s.tolist() == [1.0, 1.0, 2.0, 2.0]
-    t.observe_verify(2, 3.0, weight=0.5)  # row 2 -> 2.0: rows 3, 4 stay >= 2.0
-    assert t.verify_s.tolist() == [1.0, 2.0, 2.0, 2.0]
-    t.observe_verify(3, 0.0, weight=0.5)  # row 3 -> 1.0: row 2 lowered to it, row 4 kept
-    assert t.verify_s.tolist() == [1.0, 1.0, 1.0, 2.0]
+    t = W.CostTable(np.array([1.0, 0.8, 3.0, 2.0]), 0.5)  # a burst of load on rows 1 and 3
+    assert t.verify_s.tolist() == [0.8, 0.8, 2.0, 2.0]
+    t.observe_verify(2, 3.6, weight=0.5)  # row 2 -> 2.2: rows 3, 4 lifted to it
+    assert t.verify_s.tolist() == [0.8, 2.2, 2.2, 2.2]
+    t.observe_verify(3, 0.0, weight=0.5)  # row 3 -> 1.1: row 2 lowered to it, row 4 kept
+    np.testing.assert_allclose(t.verify_s, [0.8, 1.1, 1.1, 2.2])
     t.observe_draft(1.5, weight=0.5)
     assert t.draft_s == 1.0
-    assert t.frozen().verify_s.tolist() == [1.0, 1.0, 2.0, 2.0] and t.frozen().draft_s == 0.5
+    assert t.frozen().verify_s.tolist() == [0.8, 0.8, 2.0, 2.0] and t.frozen().draft_s == 0.5
 
 
 # ---------------------------------------------------------------- survival, censoring-aware

@@ -93,7 +93,9 @@ class CostTable:
     sweep_draft_s: float = 0.0
 
     def __post_init__(self):
-        v = np.maximum.accumulate(np.asarray(self.verify_s, np.float64))  # more rows never cost less
+        # more rows never cost less: each count takes the cheapest time measured at it or above,
+        # so one count slowed by a burst of load does not lift every count after it
+        v = np.minimum.accumulate(np.asarray(self.verify_s, np.float64)[::-1])[::-1].copy()
         if v.ndim != 1 or len(v) < 1 or not np.all(np.isfinite(v)) or v.min() < 0:
             raise ValueError(f"verify costs must be a finite non-negative [B] vector, got {self.verify_s!r}")
         self.verify_s = v
@@ -135,12 +137,13 @@ def interpolate(points: dict[int, float], B: int) -> np.ndarray:
     return np.interp(np.arange(1, B + 1), rows, [points[r] for r in rows])
 
 
-def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3) -> CostTable:
+def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budget_s: float = 1.0) -> CostTable:
     """Time target forwards of each sweep row count after a `context`-token prefix (the
-    minimum of `reps`, rounds interleaved so that load hits every count alike) and the draft's
-    B-row proposal. The first forward of each kind runs untimed (kernels already compiled by
-    then, or compiled now)."""
-    from .sampling import SamplingParams  # noqa: F401 (cheap; sampling is imported anyway)
+    minimum of up to `reps` rounds, interleaved so that load hits every count alike; rounds
+    after the first stop once `budget_s` is spent, so a big model's sweep stays short) and the
+    draft's B-row proposal. One forward of 1 and of B rows and one proposal run untimed first
+    (kernels already compiled by then, or compiled now)."""
+    from .sampling import SamplingParams
 
     t_start = time.perf_counter()
     vocab = max(2, min(int(getattr(target, "valid_vocab", None) or target.config.vocab_size),
@@ -157,19 +160,23 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3) -> Co
     state = draft.new_state(context + B + 1)
     draft.extend_context(state, taps, 0, ids[:context])
     greedy, rng = SamplingParams(), np.random.default_rng(0)
-    for rep in range(reps + 1):
+    for r in (1, B):  # untimed
+        target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
+        cache.commit(context)
+    draft.propose(state, int(ids[context]), context, B, greedy, rng)
+    t_timed = time.perf_counter()
+    for rep in range(1, reps + 1):
+        if rep > 1 and time.perf_counter() - t_timed > budget_s:
+            break
         for r in rows:
             t0 = time.perf_counter()
             target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
             dt = time.perf_counter() - t0
             cache.commit(context)
-            if rep:
-                best[r] = min(best[r], dt)
+            best[r] = min(best[r], dt)
         t0 = time.perf_counter()
         draft.propose(state, int(ids[context]), context, B, greedy, rng)
-        dt = time.perf_counter() - t0
-        if rep:
-            d_best = min(d_best, dt)
+        d_best = min(d_best, time.perf_counter() - t0)
     return CostTable(interpolate(best, B), d_best, "sweep", time.perf_counter() - t_start)
 
 
