@@ -385,3 +385,21 @@ def test_draft_confidences_read_the_distributions(tiny_pair):
             z = mask_padded(target.lm_head(h), target.valid_vocab).astype(np.float64)
             want = np.exp(z.max(-1) - z.max(-1)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1)
             np.testing.assert_allclose(g.confidence, want, rtol=1e-5)
+
+
+def test_seeded_sampling_with_auto_is_reproducible_in_a_process():
+    """A seeded sampled `auto` run reads the measured table only: other runs refreshing the
+    process's table in between (and a different verify cost now) do not change its tokens."""
+    target = HashTarget(vocab_size=40, valid=36, scale=1.0, seed=2)
+    draft = OracleDrafter(HashTarget(vocab_size=40, valid=36, scale=1.0, seed=2), block_size=8, mode="sample",
+                          temperature_scale=1.5)
+    kw = dict(prompt_ids=[1, 2, 3], max_new_tokens=40, temperature=1.0, block_size="auto")
+    first = generate(target, draft, seed=7, **kw)
+    table = W.costs_for(target, draft, 8)
+    for i in range(3):  # online refresh by other runs; then the machine "gets slower" at 2+ rows
+        generate(target, draft, **dict(kw, temperature=0.0))
+    table.verify_s[1:] *= 50.0
+    table.draft_s *= 50.0
+    again = generate(target, draft, seed=7, **kw)
+    assert again.output_ids == first.output_ids and again.stats.block_rows == first.stats.block_rows
+    assert generate(target, draft, **dict(kw, temperature=0.0)).stats.drafted_steps <= 3 + 2  # the live table moved
