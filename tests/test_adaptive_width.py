@@ -108,12 +108,15 @@ def test_choice_reads_confidences_of_earlier_positions_only():
 def test_cost_table_is_monotone_and_refreshed_online():
     t = W.CostTable(np.array([1.0, 0.8, 3.0, 2.0]), 0.5)  # a burst of load on rows 1 and 3
     assert t.verify_s.tolist() == [0.8, 0.8, 2.0, 2.0]
-    t.observe_verify(2, 3.6, weight=0.5)  # row 2 -> 2.2: rows 3, 4 lifted to it
-    assert t.verify_s.tolist() == [0.8, 2.2, 2.2, 2.2]
-    t.observe_verify(3, 0.0, weight=0.5)  # row 3 -> 1.1: row 2 lowered to it, row 4 kept
-    np.testing.assert_allclose(t.verify_s, [0.8, 1.1, 1.1, 2.2])
-    t.observe_draft(1.5, weight=0.5)
-    assert t.draft_s == 1.0
+    # rows 2 take 1.2: offset (1.2 - 0.8) * 0.5 = 0.2 for row 2 and for the rows not seen yet
+    t.observe_verify(2, 1.2, weight=0.5)
+    np.testing.assert_allclose(t.verify_s, [1.0, 1.0, 2.2, 2.2])
+    # rows 4 take 10 (a burst): clipped to 1.5 x 2.2 = 3.3; offset of row 4 (and the unseen
+    # rows 1, 3) 0.2 + 0.5 (1.3 - 0.2) = 0.75; row 2 keeps 0.2 but is lifted to row 1's 1.55
+    t.observe_verify(4, 10.0, weight=0.5)
+    np.testing.assert_allclose(t.verify_s, [1.55, 1.55, 2.75, 2.75])
+    t.observe_draft(5.0, weight=0.5)  # clipped to 0.75
+    assert t.draft_s == 0.625
     assert t.frozen().verify_s.tolist() == [0.8, 0.8, 2.0, 2.0] and t.frozen().draft_s == 0.5
 
 

@@ -144,6 +144,7 @@ class Decoding:
         self.Bv = 0  # rows verified by the step in progress
         self.kmax = 0  # drafts the step in progress could verify (block and budget)
         self._drafted = False  # the step in progress ran the draft
+        self._ctx_n = 0  # context tokens it fed to the draft
         self._drafts, self._q, self._t0 = np.zeros(0, np.int64), None, 0.0
         self.logprobs = logprobs  # top N per token, None: not computed
         self.prompt_logprobs = bool(prompt_logprobs)
@@ -224,6 +225,7 @@ class Decoding:
             return None
         self._drafted = True
         context = (self.ctx_taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
+        self._ctx_n = self.start - self.ctx_start  # committed tokens this step feeds to the draft
         self.ctx_taps, self.ctx_start = None, self.start
         return DraftCall(self.dstate, context, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
 
@@ -258,7 +260,9 @@ class Decoding:
         self.stats.verify_s += t2 - self._t1
         self.stats.record_step(self.Bv, a, self._drafted)
         if self.width is not None:
-            self.width.observe(self.Bv - 1, a, self._drafted, self._t1 - self._t0, t2 - self._t1)
+            # a draft step that fed more than a block of context (the prompt's) is not a typical step
+            draft_s = self._t1 - self._t0 if self._ctx_n <= self.Q else None
+            self.width.observe(self.Bv - 1, a, self._drafted, draft_s, t2 - self._t1)
         step = self._commit([int(d) for d in self._drafts[:a]] + [x], a)
         self._score(step, logits)  # row j: the distribution of the j-th committed token
         self.stats.decode_s += time.perf_counter() - self._t0

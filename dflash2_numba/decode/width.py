@@ -80,11 +80,19 @@ def check_block_size(value, B: int) -> int | str:
 
 
 # ---------------------------------------------------------------- the cost table
+SWEEP_RECIPE = 2  # bump when measure_costs times something else (cached tables are then re-measured)
+CLIP = 1.5  # an online sample counts as at most 1.5x (at least 1/1.5x) the current estimate
+
+
 @dataclass
 class CostTable:
     """verify_s[r-1] = seconds of a target verify of r rows (r = 1..B), draft_s = seconds of
-    one draft step (B-row proposal). `sweep_*` keep the measured values, the others are refreshed
-    online (`observe_*`, an exponential average of real step times)."""
+    one draft step (context update of the last step's tokens + the B-row proposal). `sweep_*`
+    keep the measured values; `verify_s` / `draft_s` are refreshed online from real step times
+    (`observe_*`): per row count an exponential average of (measured - swept), and for counts
+    not seen yet the same average over all counts (the per-step overhead the sweep does not
+    time: sampling, acceptance, bookkeeping). Samples are clipped to CLIP x the estimate, so one
+    step slowed by a burst of load moves it by a few per cent only."""
     verify_s: np.ndarray  # [B] f64
     draft_s: float
     source: str = "sweep"  # "sweep" | "cache" | "injected"
@@ -102,6 +110,9 @@ class CostTable:
         self.draft_s = float(self.draft_s)
         if self.sweep_verify_s is None:
             self.sweep_verify_s, self.sweep_draft_s = v.copy(), self.draft_s
+        self._off = np.zeros(len(v))  # per row count: average (measured - swept)
+        self._seen = np.zeros(len(v), bool)
+        self._off_all = 0.0  # the same over every observation
 
     @property
     def B(self) -> int:
@@ -114,12 +125,20 @@ class CostTable:
 
     def observe_verify(self, rows: int, seconds: float, weight: float = 0.1) -> None:
         i = rows - 1
-        self.verify_s[i] += weight * (seconds - self.verify_s[i])
-        # keep it monotone around i: fewer rows never cost more, more rows never cost less
-        self.verify_s[:i] = np.minimum(self.verify_s[:i], self.verify_s[i])
-        np.maximum.accumulate(self.verify_s, out=self.verify_s)
+        cur = self.verify_s[i]
+        if cur > 0:
+            seconds = min(max(seconds, cur / CLIP), cur * CLIP)
+        delta = seconds - self.sweep_verify_s[i]
+        if not self._seen[i]:
+            self._off[i], self._seen[i] = self._off_all, True
+        self._off[i] += weight * (delta - self._off[i])
+        self._off_all += weight * (delta - self._off_all)
+        live = self.sweep_verify_s + np.where(self._seen, self._off, self._off_all)  # [B]
+        self.verify_s[:] = np.maximum.accumulate(np.maximum(live, 0.0))
 
     def observe_draft(self, seconds: float, weight: float = 0.1) -> None:
+        if self.draft_s > 0:
+            seconds = min(max(seconds, self.draft_s / CLIP), self.draft_s * CLIP)
         self.draft_s += weight * (seconds - self.draft_s)
 
     def to_json(self) -> dict:
@@ -157,13 +176,26 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
     rows = sweep_rows(B)
     best = {r: np.inf for r in rows}
     d_best = np.inf
-    state = draft.new_state(context + B + 1)
-    draft.extend_context(state, taps, 0, ids[:context])
     greedy, rng = SamplingParams(), np.random.default_rng(0)
+    n_new = min(2, context)  # a step's context update: its accepted tokens + the bonus (about 2)
+
+    def part(a, b):
+        return None if taps is None else taps[a:b]
+
+    def draft_step() -> float:
+        """One draft step on a fresh state holding the prefix but its last n_new tokens."""
+        st = draft.new_state(context + B + 1)
+        if context > n_new:
+            draft.extend_context(st, part(0, context - n_new), 0, ids[:context - n_new])
+        t0 = time.perf_counter()
+        draft.extend_context(st, part(context - n_new, context), context - n_new, ids[context - n_new:context])
+        draft.propose(st, int(ids[context]), context, B, greedy, rng)
+        return time.perf_counter() - t0
+
     for r in (1, B):  # untimed
         target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
         cache.commit(context)
-    draft.propose(state, int(ids[context]), context, B, greedy, rng)
+    draft_step()
     t_timed = time.perf_counter()
     for rep in range(1, reps + 1):
         if rep > 1 and time.perf_counter() - t_timed > budget_s:
@@ -174,9 +206,7 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
             dt = time.perf_counter() - t0
             cache.commit(context)
             best[r] = min(best[r], dt)
-        t0 = time.perf_counter()
-        draft.propose(state, int(ids[context]), context, B, greedy, rng)
-        d_best = min(d_best, time.perf_counter() - t0)
+        d_best = min(d_best, draft_step())
     return CostTable(interpolate(best, B), d_best, "sweep", time.perf_counter() - t_start)
 
 
@@ -202,7 +232,7 @@ def _identity(target, draft, B: int, threads: int) -> dict | None:
             "draft_format": str(getattr(getattr(draft, "ops", None), "quantize", None)),
             "dtype": str(getattr(target, "dtype", None)), "device": str(getattr(target.ops, "device", None)),
             "threads": int(threads), "B": int(B), "isa": info["isa"], "cpu": info["cpu_name"],
-            "version": __version__}
+            "version": __version__, "sweep": SWEEP_RECIPE}
 
 
 def cost_cache_dir() -> Path:
@@ -341,7 +371,7 @@ class AdaptiveWidth:
     name = AUTO
 
     def __init__(self, costs: CostTable, B: int, online: bool = True, warm_steps: int = 3,
-                 probe_every: tuple[int, ...] = (8, 16, 24), mean_weight: float = 0.25):
+                 probe_every: tuple[int, ...] = (2, 4, 8, 16, 24), mean_weight: float = 0.25):
         if costs.B < B:
             raise ValueError(f"cost table for {costs.B} rows, block of {B}")
         self.costs, self.B, self.online = costs, int(B), online
@@ -351,6 +381,10 @@ class AdaptiveWidth:
         self.warm_left = warm_steps  # the first drafted steps always draft (statistics to start from)
         self.probe_every, self.probe_level, self.plain_run = probe_every, 0, 0
         self._buckets, self._probe = np.zeros(0, np.int64), False
+        # realized tokens and seconds of recent drafted steps (exponential averages): what
+        # drafting has actually paid under the current choice of k
+        self.real_tokens = self.real_s = 0.0
+        self.real_weight = 0.2
 
     # -- before drafting
     def _best_value(self, S: np.ndarray, kmax: int) -> tuple[int, float]:
@@ -365,11 +399,23 @@ class AdaptiveWidth:
                 best_k, best = k, v
         return best_k, best
 
+    def drafting_value(self, kmax: int) -> float:
+        """Expected tokens per second of a drafted step: the larger of the model's best E(k >= 1)
+        (average survival of recent drafted steps, the cost table) and the realized rate of
+        recent drafted steps (tokens over measured seconds)."""
+        c, D, S = self.costs.verify_s, self.costs.draft_s, self.mean_S
+        tokens, best = 1.0, 0.0
+        for k in range(1, kmax + 1):
+            tokens += S[k]
+            best = max(best, tokens / max(D + c[k], 1e-12))
+        if self.real_s > 0:
+            best = max(best, self.real_tokens / self.real_s)
+        return best
+
     def draft_now(self, kmax: int) -> bool:
         if self.warm_left > 0:
             return True
-        k, _ = self._best_value(self.mean_S, kmax)
-        if k > 0:
+        if self.drafting_value(kmax) > 1.0 / max(self.costs.verify_s[0], 1e-12):  # E(k >= 1) > E(0)
             self.plain_run, self.probe_level, self._probe = 0, 0, False
             return True
         self.plain_run += 1
@@ -422,8 +468,13 @@ class AdaptiveWidth:
         if drafted:
             self.est.observe(self._buckets, k, accepted)
             self._probe = False
+        if drafted and self.online:  # timings: not for a frozen table (a seeded run's draws)
+            seconds = (self.costs.draft_s if draft_s is None else draft_s) + verify_s
+            w = self.real_weight if self.real_s > 0 else 1.0
+            self.real_tokens += w * (accepted + 1 - self.real_tokens)
+            self.real_s += w * (seconds - self.real_s)
         if self.online:
             self.costs.observe_verify(k + 1, verify_s)
-            if drafted:
+            if drafted and draft_s is not None:  # None: a catch-up step (the prompt's context), not typical
                 self.costs.observe_draft(draft_s)
 
