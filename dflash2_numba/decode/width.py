@@ -378,6 +378,7 @@ class AdaptiveWidth:
         self.est = SurvivalEstimator(B)
         self.mean_S = 0.7 ** np.arange(B, dtype=np.float64)  # [B] average survival S_j of drafted steps (S_0 = 1)
         self.mean_weight = mean_weight
+        self.mean_seen = False
         self.warm_left = warm_steps  # the first drafted steps always draft (statistics to start from)
         self.probe_every, self.probe_level, self.plain_run = probe_every, 0, 0
         self._buckets, self._probe = np.zeros(0, np.int64), False
@@ -440,7 +441,8 @@ class AdaptiveWidth:
         S_full[0] = 1.0
         for j in range(1, kmax + 1):
             S_full[j] = S_full[j - 1] * rate(j, int(b[j - 1]))
-        w = self.mean_weight
+        w = self.mean_weight if self.mean_seen else 1.0  # the first drafted step replaces the prior
+        self.mean_seen = True
         self.mean_S[1:kmax + 1] += w * (S_full[1:] - self.mean_S[1:kmax + 1])
         k, tokens = 0, 1.0
         for j in range(1, kmax + 1):
