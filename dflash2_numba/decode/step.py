@@ -139,7 +139,9 @@ class Decoding:
         self.cache = None  # target cache, made at the first prefill chunk
         self.prefilled = 0  # prompt tokens in the target cache
         self.dstate = None  # draft context state
-        self.ctx_taps, self.ctx_start = None, 0  # committed tokens not yet in the draft context
+        # committed tokens not yet in the draft context: their tap rows ([n, T*H] pieces, joined
+        # once when the draft next runs: plain steps in between append without copying) and start
+        self.ctx_taps, self.ctx_start = [], 0
         self.start = self.n  # anchor position
         self.Bv = 0  # rows verified by the step in progress
         self.kmax = 0  # drafts the step in progress could verify (block and budget)
@@ -171,7 +173,7 @@ class Decoding:
         logits, taps = self.target.forward(np.asarray(self.ids[a:b], np.int64), self.cache,
                                            tap_layers=self.tap_layers, last_only=not score)  # [1 | b-a, V]
         if taps is not None:
-            self.ctx_taps = taps if self.ctx_taps is None else np.concatenate([self.ctx_taps, taps])
+            self.ctx_taps.append(taps)
         self.prefilled = b
         if score:  # row i is the distribution of the token at position a+i+1
             check_finite(logits, "prefill", a)
@@ -224,9 +226,11 @@ class Decoding:
             self.Bv = 1  # a plain target step
             return None
         self._drafted = True
-        context = (self.ctx_taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
+        parts = self.ctx_taps
+        taps = None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)  # [n, T*H]
+        context = (taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
         self._ctx_n = self.start - self.ctx_start  # committed tokens this step feeds to the draft
-        self.ctx_taps, self.ctx_start = None, self.start
+        self.ctx_taps, self.ctx_start = [], self.start
         return DraftCall(self.dstate, context, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
 
     def verify_ids(self, prop) -> np.ndarray:
@@ -254,7 +258,7 @@ class Decoding:
         self.cache.commit(start + a + 1)  # keep the anchor and the a accepted drafts (any layer kind)
         if self.draft is not None and taps is not None:
             acc = taps[:a + 1]  # [a+1, T*H], positions start..start+a
-            self.ctx_taps = acc if self.ctx_taps is None else np.concatenate([self.ctx_taps, acc])
+            self.ctx_taps.append(acc)
         t2 = time.perf_counter()
         self.stats.draft_s += self._t1 - self._t0
         self.stats.verify_s += t2 - self._t1
