@@ -144,7 +144,7 @@ def main(argv=None):
     # ---- warm-up: compile every kernel shape the runs below use
     generate(target, None, prompt_ids=prompt[:8], max_new_tokens=3)
     for Q in QS:
-        generate(target, OracleDrafter(target, block_size=Q), prompt_ids=prompt[:8], max_new_tokens=Q + 2)
+        generate(target, OracleDrafter(target, block_size=Q), prompt_ids=prompt[:8], max_new_tokens=Q + 2, block_size=Q)
 
     # ---- 1. verify cost of a Q-row block vs a 1-row step
     t1 = forward_time(target, prompt, 1, args.repeat)

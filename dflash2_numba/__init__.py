@@ -24,7 +24,7 @@ from .errors import (AttentionSinkBiasError, ChatTemplateMissingError, Checkpoin
                      GenerationArgumentError, GGUFNotSupportedError, IsCausalTypeError,
                      MissingTensorsError, PairingError, SelectorRefusedError, TensorShapeError,
                      UnexpectedTensorsError, UnknownArchitectureError, UnsupportedConfigError,
-                     ChatTemplateError, ConfigValueError, ContextLengthError, CorruptHeaderError,
+                     BlockSizeError, ChatTemplateError, ConfigValueError, ContextLengthError, CorruptHeaderError,
                      DataOffsetError, KernelCacheError, NonFiniteLogitsError, OutputPathError,
                      UnknownDTypeError, IsaUnavailableError, QuantizeError)
 
@@ -38,6 +38,6 @@ __all__ = [
     "ConfigError", "UnknownArchitectureError", "AttentionSinkBiasError", "IsCausalTypeError",
     "UnsupportedConfigError", "PairingError", "SelectorRefusedError", "ChatTemplateMissingError",
     "DeviceUnavailableError", "GenerationArgumentError", "ChatTemplateError", "ConfigValueError",
-    "ContextLengthError", "CorruptHeaderError", "DataOffsetError", "KernelCacheError",
+    "ContextLengthError", "BlockSizeError", "CorruptHeaderError", "DataOffsetError", "KernelCacheError",
     "NonFiniteLogitsError", "OutputPathError", "UnknownDTypeError", "IsaUnavailableError", "QuantizeError",
 ]

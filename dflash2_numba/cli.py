@@ -33,6 +33,7 @@ import click
 from . import __version__
 from .cli_checks import one_line, open_output, parse_prompt_ids, read_prompt_file
 from .decode.sampling import SamplingParams
+from .decode.width import parse_block_size
 from .errors import DFlashError, GenerationArgumentError, OutputPathError
 from .serve.command import make_serve_command
 
@@ -99,8 +100,10 @@ def _sampling_options(f):
     f = click.option("--top-p", type=float, default=1.0, show_default=True)(f)
     f = click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")(f)
     f = click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")(f)
-    f = click.option("--block-size", type=int, default=None,
-                     help="Runtime rows per draft block Q (2..B; default: the draft's B).")(f)
+    f = click.option("--block-size", default="auto", show_default=True, metavar="auto|Q",
+                     help="Verify width: auto = per step, the number of draft rows that maximises expected "
+                          "tokens per second (measured costs, draft confidence); an integer Q in 2..B fixes "
+                          "it (docs/adaptive_width.md).")(f)
     return f
 
 
@@ -202,6 +205,7 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
 
     with json_destination(json_dest) as out:
         SamplingParams(temperature, top_k, top_p, seed)  # refused before the (slow) model load
+        block_size = parse_block_size(block_size)  # "auto" | int >= 2; 2..B once the draft is known
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
         target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)
         ids = resolve_prompt_ids(target, prompt, ids, chat, enable_thinking=_think(chat, think))
@@ -236,9 +240,11 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
             _write_json({
                 "target": str(target_dir), "draft": None if draft_dir is None else str(draft_dir),
                 "draft_kind": None if draft is None else draft.kind, "block_size": stats.block_size,
+                "width": stats.width,
                 "prompt_ids": ids, "output_ids": tokens, "text": "".join(parts), "finish_reason": finish,
                 "stats": {k: s[k] for k in (
-                    "steps", "tau", "acceptance_lengths", "acceptance_histogram",
+                    "steps", "tau", "acceptance_lengths", "acceptance_histogram", "block_rows",
+                    "width_histogram", "drafted_steps",
                     "per_position_acceptance", "prefill_s", "draft_s", "verify_s", "decode_s",
                     "tokens_per_s", "baseline_tokens_per_s", "speedup", "peak_rss_mb")},
             }, json_dest, out)
@@ -306,6 +312,7 @@ def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, 
 
     with json_destination(json_dest) as out:
         SamplingParams(temperature, top_k, top_p, seed)
+        block_size = parse_block_size(block_size)
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
         _, _, target, draft = _load(target_dir, draft_dir, device, dtype, threads, need_draft=True, quantize=quantize)
         res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, enable_thinking=_think(chat, think),

@@ -28,6 +28,7 @@ Hierarchy (catch `DFlashError` for "anything this package refused"):
       DeviceUnavailableError           --device cuda with no CUDA device
       GenerationArgumentError          bad sampling / length arguments
         ContextLengthError             prompt / budget that cannot fit (numbers in the message), before allocating
+        BlockSizeError                 --block-size / block_size that is not "auto" nor an integer in 2..B
       OutputPathError                  --json PATH that cannot be written (checked before decoding)
       NonFiniteLogitsError             a NaN / Inf logits row (names the step and the position)
       KernelCacheError                 an unreadable file in numba's cache directory (names it)
@@ -137,6 +138,10 @@ class GenerationArgumentError(DFlashError, ValueError):
 
 class ContextLengthError(GenerationArgumentError):
     """The prompt or prompt + budget exceeds what the model / this process can hold."""
+
+
+class BlockSizeError(GenerationArgumentError):
+    """A block size that is neither "auto" nor an integer in 2..B (B: the draft's trained block)."""
 
 
 class OutputPathError(DFlashError):

@@ -10,6 +10,12 @@ import os
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+# the adaptive width's cost tables (decode/width.py) go to a per-session directory, not beside
+# the kernel cache: a test's tiny pairs live in temporary directories (CLI subprocesses inherit it)
+import tempfile  # noqa: E402
+
+os.environ.setdefault("DFLASH2_COST_CACHE", tempfile.mkdtemp(prefix="dflash2-costs-"))
+
 
 import numba  # noqa: E402  (after NUMBA_ENABLE_CUDASIM is set)
 import pytest  # noqa: E402

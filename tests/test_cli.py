@@ -120,9 +120,9 @@ def test_errors_exit_2_one_line(pair, tmp_path):
     t = pair["target"]
     _one_line_error(run("generate", "--target", tmp_path / "nope", "--prompt", "x"), "CheckpointNotFoundError")
     _one_line_error(run("generate", "--target", t, "--draft", pair["dflash"], "--prompt", "x",
-                        "--block-size", 1), "GenerationArgumentError")
+                        "--block-size", 1), "BlockSizeError")
     _one_line_error(run("generate", "--target", t, "--draft", pair["dflash"], "--prompt", "x",
-                        "--block-size", 9), "GenerationArgumentError")
+                        "--block-size", 9), "BlockSizeError")
     _one_line_error(run("generate", "--target", t, "--prompt", "x", "--prompt-ids", "1"), "GenerationArgumentError")
     _one_line_error(run("generate", "--target", t, "--prompt-ids", "1,a"), "GenerationArgumentError")
     _one_line_error(run("generate", "--target", t, "--prompt", "x", "--temperature", -1), "GenerationArgumentError")

@@ -242,3 +242,73 @@ def test_seed_reproducibility_and_variation():
     b = generate(target, draft, seed=123, **kw).output_ids
     c = generate(target, draft, seed=124, **kw).output_ids
     assert a == b and a != c
+
+
+# ---------------------------------------------------------------- the adaptive width stays exact
+def _auto_rule():
+    """The `auto` rule (decode/width.py) with an injected cost table, shared by every sampled
+    run so that its survival statistics carry over (past statistics are allowed to steer):
+    verify rows cost 1 + 0.35 (r - 1), the draft 0.3, so widths 0, 1 and 2 all occur."""
+    from dflash2_numba.decode.width import AdaptiveWidth, CostTable
+
+    return AdaptiveWidth(CostTable(1.0 + 0.35 * np.arange(4), 0.3, "injected"), 4, online=False)
+
+
+class BiasedWidth:
+    """A FORBIDDEN width rule (test double): keeps draft j only while q_j(d_j), the probability
+    of the token actually drawn at j, is above tau. Verifying a position then depends on the
+    token drawn there, and the output leans towards tokens the draft likes."""
+    name = "biased"
+
+    def __init__(self, tau: float):
+        self.tau = tau
+
+    def draft_now(self, kmax):
+        return True
+
+    def choose(self, prop, kmax):
+        k = 0
+        while k < kmax and (1.0 if prop.q is None else prop.q[k, prop.draft_ids[k]]) > self.tau:
+            k += 1
+        return k
+
+    def observe(self, *a):
+        pass
+
+
+def _sample_with_rule(target, draft, rule, params, n, seed0):
+    counts, widths = {}, set()
+    for i in range(n):
+        r = generate(target, draft, prompt_ids=[3, 1], max_new_tokens=N_NEW, width=rule,
+                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed0 + i)
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+        widths.update(r.stats.block_rows)
+    return counts, widths
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+@pytest.mark.parametrize("params_id", list(PARAMS))
+def test_auto_width_sampling_matches_exact_distribution(drafter, params_id):
+    """The chi-square test of test_speculative_sampling_matches_exact_distribution with the
+    `auto` width rule deciding every step (plain steps, 1 or 2 drafts verified): exact, and
+    not vacuously so (several widths were chosen)."""
+    params, n = PARAMS[params_id], N_SAMPLES
+    target = _hash_target()
+    draft = DRAFTERS[drafter](_hash_target())
+    exact = exact_sequence_probs(target, [3, 1], N_NEW, params)
+    spec, widths = _sample_with_rule(target, draft, _auto_rule(), params, n, 0)
+    assert len(widths) >= 2, widths
+    p_exact, p_two = gof_pvalue(spec, exact, n), two_sample_pvalue(spec, _target_only_counts(params_id))
+    assert p_exact > 1e-3 and p_two > 1e-3, (p_exact, p_two)
+
+
+def test_biased_width_rule_is_caught():
+    """The same test turns red for a rule that looks at the drawn token (keep d_j only when
+    q(d_j) is high): the gate has teeth."""
+    params, n = PARAMS["T1"], N_SAMPLES
+    target = _hash_target()
+    draft = DRAFTERS["oracle-hot-q"](_hash_target())
+    exact = exact_sequence_probs(target, [3, 1], N_NEW, params)
+    spec, widths = _sample_with_rule(target, draft, BiasedWidth(0.2), params, n, 0)
+    assert len(widths) >= 2
+    assert gof_pvalue(spec, exact, n) < 1e-6

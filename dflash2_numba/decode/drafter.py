@@ -20,6 +20,8 @@ Contract:
 - `Proposal.q` is the exact distribution each draft token was drawn from (float32
   `[n_rows-1, V]`), or None for a one-hot proposal (argmax / greedy walk). The verifier's
   losslessness depends on q being honest.
+- `Proposal.confidence` (optional) is the top-1 probability of each position's distribution,
+  a scheduling signal only (decode/width.py); it must not depend on the drawn token.
 - `Proposal.info` is free-form debug data for `dflash2-decode propose`; by convention:
   `"slots": [{"candidate_ids": [...], "candidate_scores": [...]}, ...]` (one per draft token),
   and for DFlash2 `"chosen_slots": [...]` (the selector walk). Drafters may hand a `LazyInfo`:
@@ -64,6 +66,10 @@ class Proposal:
     draft_ids: np.ndarray  # int64 [n_rows-1]
     q: np.ndarray | None = None  # float32 [n_rows-1, V], or None = one-hot on draft_ids
     info: Mapping = field(default_factory=dict)
+    # float [n_rows-1]: the draft's probability of its top candidate at each position, read from
+    # the distribution that position is drawn from (given the earlier drafts), never from the
+    # drawn token; a scheduling signal for the adaptive width (decode/width.py). None: not given
+    confidence: np.ndarray | None = None
 
 
 @runtime_checkable

@@ -9,6 +9,8 @@ Per step, with `start` = position of the anchor (the newest committed token, not
 target KV cache) and `Q` the runtime block length:
 
     Bv = min(Q, remaining budget)        # rows VERIFIED this step; the last step shrinks
+                                         # (block_size "auto": Bv = k+1 <= that, decode/width.py;
+                                         #  k = 0 is a plain target step without a draft forward)
     draft.extend_context(taps of committed tokens not yet in the draft context)
     drafts = draft.propose(anchor, start, Q)[:Bv-1]         # the draft always runs Q rows
     logits, taps = target.forward([anchor, d_1..], cache)   # ONE verify forward, positions start..
@@ -35,6 +37,7 @@ from ..errors import ContextLengthError, GenerationArgumentError, SelectorRefuse
 from .drafter import valid_vocab
 from .sampling import SamplingParams, mask_padded
 from .stats import DecodeStats
+from .width import AUTO, AdaptiveWidth, check_block_size, costs_for, parse_block_size
 from .step import Decoding, StepResult, check_finite, pick_token, run_draft, tokenizer_of  # noqa: F401 (public names)
 
 
@@ -100,24 +103,43 @@ def check_stop_ids(target, stop_token_ids) -> list[int]:
     return [int(i) for i in ids]
 
 
-def runtime_block_size(draft, block_size: int | None) -> int:
-    """Runtime Q (anchor + draft rows): the draft's trained B unless the user asks for fewer."""
+def runtime_block_size(draft, block_size: int | str | None) -> int:
+    """Runtime Q (anchor + draft rows): the draft's trained B unless the user asks for fewer
+    ("auto" runs the draft's B rows and lets decode/width.py trim the verify). A value that is
+    neither "auto" nor an integer in 2..B is a BlockSizeError."""
     B = int(draft.block_size)
-    Q = B if block_size is None else block_size
-    if int(Q) != Q or not 2 <= Q <= B:
-        raise GenerationArgumentError(
-            f"block_size must be an integer in 2..{B} (the draft's trained block size), got {block_size!r}")
-    return int(Q)
+    Q = check_block_size(block_size, B)
+    return B if Q == AUTO else Q
+
+
+def width_rule(target, draft, block_size, sampling: SamplingParams, rule=None):
+    """The verify width rule of a run: `rule` when given (a test double or a caller's own),
+    AdaptiveWidth for block_size "auto", else None (fixed: min(Q, budget) rows every step)."""
+    if draft is None:
+        return None
+    if rule is not None:
+        return rule
+    if parse_block_size(block_size) != AUTO:
+        return None
+    B = int(draft.block_size)
+    costs = costs_for(target, draft, B)
+    # a seeded sampled run reads the measured table only (no online refresh): its draws then
+    # depend on the seed and the cached table, not on what ran before it in this process
+    frozen = not sampling.greedy and sampling.seed is not None
+    return AdaptiveWidth(costs.frozen() if frozen else costs, B, online=not frozen)
 
 
 def stream_generate(target, draft, prompt: str | None = None, *, max_new_tokens: int = 128,
-                    block_size: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                    block_size: int | str | None = AUTO, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int | None = None,
                     stop_token_ids: Sequence[int] = (), chat: bool = False,
-                    prompt_ids: Sequence[int] | None = None) -> Iterator[StepResult]:
+                    prompt_ids: Sequence[int] | None = None, width=None) -> Iterator[StepResult]:
     """Yield one StepResult per committed chunk: first the prefill token, then one per verify
-    step. `block_size` is the runtime Q (2..draft.block_size; default draft.block_size);
-    ignored when draft is None. Stop ids = tokenizer stop set ∪ stop_token_ids."""
+    step. `block_size`: "auto" (default: the draft runs its B rows and each step verifies the
+    number of them that maximises expected tokens per second, decode/width.py), or a fixed
+    runtime Q in 2..draft.block_size (None: draft.block_size); ignored when draft is None.
+    `width`: a width rule object (decode/width.py's interface) in place of "auto"'s.
+    Stop ids = tokenizer stop set ∪ stop_token_ids."""
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise GenerationArgumentError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -127,7 +149,8 @@ def stream_generate(target, draft, prompt: str | None = None, *, max_new_tokens:
     check_context(target, len(ids), int(max_new_tokens))
     if max_new_tokens >= 2:  # a draft step is scheduled: refuse now if it is certain to refuse
         _refuse_certain(draft)
-    return _run(target, draft, ids, int(max_new_tokens), Q, sampling, stop_token_ids)
+    rule = width_rule(target, draft, block_size, sampling, width) if max_new_tokens >= 2 else None
+    return _run(target, draft, ids, int(max_new_tokens), Q, sampling, stop_token_ids, rule)
 
 
 def _refuse_certain(draft) -> None:
@@ -139,9 +162,9 @@ def _refuse_certain(draft) -> None:
 
 
 def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: SamplingParams,
-         stop_token_ids) -> Iterator[StepResult]:
+         stop_token_ids, width=None) -> Iterator[StepResult]:
     """One request through the per-step logic of decode/step.py, with its own forwards."""
-    dec = Decoding(target, draft, prompt_ids, max_new, Q, sampling, stop_token_ids)
+    dec = Decoding(target, draft, prompt_ids, max_new, Q, sampling, stop_token_ids, width=width)
     step = None
     while step is None:
         step = dec.prefill_step()
@@ -165,7 +188,7 @@ def generate(target, draft, prompt: str | None = None, *, chat: bool = False,
     return GenerationResult(out, "".join(text), reason, stats, ids)
 
 
-def propose_once(target, draft, prompt: str | None = None, *, block_size: int | None = None,
+def propose_once(target, draft, prompt: str | None = None, *, block_size: int | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, chat: bool = False,
                  prompt_ids: Sequence[int] | None = None, enable_thinking: bool = False) -> dict:

@@ -5,6 +5,9 @@ Definitions (peers disagree, so here they are):
 - acceptance length of a step = drafts accepted + 1 (the bonus / correction token), counted
   before stop-token truncation; `tau` = its mean over steps;
 - acceptance_histogram[i] = number of steps whose acceptance length is i+1, for 1..Q;
+- block_rows = rows verified per step (the chosen widths; 1 = a plain target step),
+  width_histogram[i] = steps that verified i+1 rows; width = the rule ("fixed" | "auto"),
+  drafted_steps = steps that ran the draft;
 - per_position_acceptance[j] = among steps that offered a draft at slot j (0-based, i.e. a
   block of more than j+1 rows), the fraction that accepted it;
 - prefill_s: the target prompt forward + first token; draft_s: drafter time (context extension
@@ -29,7 +32,9 @@ class DecodeStats:
     new_tokens: int = 0
     steps: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
-    block_rows: list[int] = field(default_factory=list)  # rows verified per step (Bv)
+    block_rows: list[int] = field(default_factory=list)  # rows verified per step (Bv): the chosen widths
+    width: str = "fixed"  # the verify width rule: "fixed" (min(Q, budget) rows) | "auto" (decode/width.py)
+    drafted_steps: int = 0  # steps that ran the draft (auto may choose plain target steps)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -40,8 +45,9 @@ class DecodeStats:
     compile_s: float | None = None  # first-run kernel compilation (a warm-up), not in any timing above
     peak_rss_mb: float | None = None  # the process's peak resident memory (ru_maxrss), set by the CLI
 
-    def record_step(self, rows: int, accepted: int) -> None:
+    def record_step(self, rows: int, accepted: int, drafted: bool | None = None) -> None:
         self.steps += 1
+        self.drafted_steps += int(rows > 1 if drafted is None else drafted)
         self.block_rows.append(rows)
         self.acceptance_lengths.append(accepted + 1)
 
@@ -55,6 +61,14 @@ class DecodeStats:
         hist = [0] * max(self.block_size, 1)
         for a in self.acceptance_lengths:
             hist[a - 1] += 1
+        return hist
+
+    @property
+    def width_histogram(self) -> list[int]:
+        """[i] = steps that verified i+1 rows (i drafts), i = 0..Q-1."""
+        hist = [0] * max(self.block_size, 1)
+        for r in self.block_rows:
+            hist[r - 1] += 1
         return hist
 
     @property
@@ -82,7 +96,7 @@ class DecodeStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(tau=self.tau, acceptance_histogram=self.acceptance_histogram,
+        d.update(tau=self.tau, acceptance_histogram=self.acceptance_histogram, width_histogram=self.width_histogram,
                  per_position_acceptance=self.per_position_acceptance,
                  tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
         return d
@@ -101,6 +115,9 @@ class DecodeStats:
             lines.append("accept   histogram 1..Q: " + " ".join(map(str, self.acceptance_histogram)))
             rates = " ".join("-" if r is None else f"{r:.2f}" for r in self.per_position_acceptance)
             lines.append(f"         per position: {rates}")
+            if self.width != "fixed":
+                lines.append(f"width    {self.width}: verify rows 1..Q: " + " ".join(map(str, self.width_histogram))
+                             + f" ({self.drafted_steps} of {self.steps} steps drafted)")
         lines.append(f"time     prefill {self.prefill_s:.3f}s  decode {self.decode_s:.3f}s "
                      f"(draft {self.draft_s:.3f}s, verify {self.verify_s:.3f}s)")
         lines.append(f"speed    {self.tokens_per_s:.1f} tok/s overall, "

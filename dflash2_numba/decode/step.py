@@ -115,7 +115,7 @@ class Decoding:
 
     def __init__(self, target, draft, prompt_ids: list[int], max_new: int, Q: int,
                  sampling: SamplingParams, stop_token_ids, text: bool = True,
-                 logprobs: int | None = None, prompt_logprobs: bool = False):
+                 logprobs: int | None = None, prompt_logprobs: bool = False, width=None):
         tok = tokenizer_of(target)
         if tok is not None:
             self.stops = set(tok.stop_ids(stop_token_ids))
@@ -130,15 +130,23 @@ class Decoding:
         self.max_new = int(max_new)
         self.max_len = self.n + self.max_new
         self.tap_layers = tuple(draft.target_layer_ids) if draft is not None else ()
-        self.stats = DecodeStats(block_size=self.Q, prompt_tokens=self.n, threads=numba.get_num_threads())
+        # the verify width rule (decode/width.py; None: every step verifies min(Q, budget) rows)
+        self.width = width if draft is not None else None
+        self.stats = DecodeStats(block_size=self.Q, prompt_tokens=self.n, threads=numba.get_num_threads(),
+                                 width="fixed" if self.width is None else getattr(self.width, "name", "custom"))
         self.ids = list(prompt_ids)  # prompt + committed tokens
         self.finish_reason: str | None = None
         self.cache = None  # target cache, made at the first prefill chunk
         self.prefilled = 0  # prompt tokens in the target cache
         self.dstate = None  # draft context state
-        self.ctx_taps, self.ctx_start = None, 0  # committed tokens not yet in the draft context
+        # committed tokens not yet in the draft context: their tap rows ([n, T*H] pieces, joined
+        # once when the draft next runs: plain steps in between append without copying) and start
+        self.ctx_taps, self.ctx_start = [], 0
         self.start = self.n  # anchor position
         self.Bv = 0  # rows verified by the step in progress
+        self.kmax = 0  # drafts the step in progress could verify (block and budget)
+        self._drafted = False  # the step in progress ran the draft
+        self._ctx_n = 0  # context tokens it fed to the draft
         self._drafts, self._q, self._t0 = np.zeros(0, np.int64), None, 0.0
         self.logprobs = logprobs  # top N per token, None: not computed
         self.prompt_logprobs = bool(prompt_logprobs)
@@ -165,7 +173,7 @@ class Decoding:
         logits, taps = self.target.forward(np.asarray(self.ids[a:b], np.int64), self.cache,
                                            tap_layers=self.tap_layers, last_only=not score)  # [1 | b-a, V]
         if taps is not None:
-            self.ctx_taps = taps if self.ctx_taps is None else np.concatenate([self.ctx_taps, taps])
+            self.ctx_taps.append(taps)
         self.prefilled = b
         if score:  # row i is the distribution of the token at position a+i+1
             check_finite(logits, "prefill", a)
@@ -202,16 +210,27 @@ class Decoding:
     def begin_step(self) -> DraftCall | None:
         """Start a step: Bv = rows to verify; when a draft runs (Bv >= 2), the draft work to do:
         the context update and the proposal (the draft always runs the runtime Q rows: its
-        block is non-causal, so its length changes every row; the budget only trims the verify)."""
+        block is non-causal, so its length changes every row; the budget only trims the verify).
+        With a width rule, the rule may decide on a plain target step (Bv = 1, no draft): the
+        committed tokens' taps then wait in ctx_taps and reach the draft context at the next
+        drafted step, so speculation resumes on a complete context."""
         assert self.cache.length == self.start and len(self.ids) == self.start + 1, (
             self.cache.length, self.start, len(self.ids))
         self.Bv = min(self.Q, self.max_len - 1 - self.start)  # remaining budget
+        self.kmax, self._drafted = self.Bv - 1, False
         self._drafts, self._q = np.zeros(0, np.int64), None
         self._t0 = time.perf_counter()
         if self.Bv < 2:
             return None
-        context = (self.ctx_taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
-        self.ctx_taps, self.ctx_start = None, self.start
+        if self.width is not None and not self.width.draft_now(self.kmax):
+            self.Bv = 1  # a plain target step
+            return None
+        self._drafted = True
+        parts = self.ctx_taps
+        taps = None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)  # [n, T*H]
+        context = (taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
+        self._ctx_n = self.start - self.ctx_start  # committed tokens this step feeds to the draft
+        self.ctx_taps, self.ctx_start = [], self.start
         return DraftCall(self.dstate, context, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
 
     def verify_ids(self, prop) -> np.ndarray:
@@ -222,6 +241,8 @@ class Decoding:
             if drafts.shape != (Q - 1,):
                 raise RuntimeError(f"{type(self.draft).__name__}.propose returned {drafts.shape[0]} drafts "
                                    f"for a {Q}-row block (expected {Q - 1})")
+            if self.width is not None:  # k drafts to verify, from the draft's distributions (decode/width.py)
+                Bv = self.Bv = 1 + self.width.choose(prop, self.kmax)
             self._drafts = drafts[:Bv - 1]  # [Bv-1]
             self._q = None if q is None else q[:Bv - 1]  # [Bv-1, V]
             if self._q is not None:
@@ -237,11 +258,15 @@ class Decoding:
         self.cache.commit(start + a + 1)  # keep the anchor and the a accepted drafts (any layer kind)
         if self.draft is not None and taps is not None:
             acc = taps[:a + 1]  # [a+1, T*H], positions start..start+a
-            self.ctx_taps = acc if self.ctx_taps is None else np.concatenate([self.ctx_taps, acc])
+            self.ctx_taps.append(acc)
         t2 = time.perf_counter()
         self.stats.draft_s += self._t1 - self._t0
         self.stats.verify_s += t2 - self._t1
-        self.stats.record_step(self.Bv, a)
+        self.stats.record_step(self.Bv, a, self._drafted)
+        if self.width is not None:
+            # a draft step that fed more than a block of context (the prompt's) is not a typical step
+            draft_s = self._t1 - self._t0 if self._ctx_n <= self.Q else None
+            self.width.observe(self.Bv - 1, a, self._drafted, draft_s, t2 - self._t1)
         step = self._commit([int(d) for d in self._drafts[:a]] + [x], a)
         self._score(step, logits)  # row j: the distribution of the j-th committed token
         self.stats.decode_s += time.perf_counter() - self._t0

@@ -5,7 +5,9 @@ them) and the CUDA kernels at first launch in every process: ~10-20 s on a cold 
 timed run would report as prefill / draft time. `warm_up` runs the paths a generation takes — a
 multi-row prefill, the draft's context update and a full Q-row proposal, a verify block — on a
 short prompt first (as llama.cpp warms up before it times), prints one notice when this is the
-package's first run here, and says how long compiling took.
+package's first run here, and says how long compiling took. With block_size "auto" it also
+makes the verify cost table (decode/width.py: read from disk, or a sweep of well under a second
+on a small pair) before anything is timed.
 """
 
 from __future__ import annotations
@@ -58,12 +60,18 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
     if kernel_cache_is_cold():
         (notice or (lambda text: print(text, file=sys.stderr, flush=True)))(NOTICE)
     before, t0 = kernels_compiled(), time.perf_counter()
+    from .width import AUTO, costs_for, parse_block_size
+
     vocab = max(1, min(target.valid_vocab, target.config.vocab_size))
-    Q = generate_kwargs.get("block_size") or (draft.block_size if draft is not None else 1)
+    given = parse_block_size(generate_kwargs.get("block_size", AUTO))
+    auto = draft is not None and given == AUTO
+    Q = 1 if draft is None else (draft.block_size if given in (None, AUTO) else given)
     room = getattr(target.config, "max_position_embeddings", 1 << 30) - Q - 2
     ids = [i % vocab for i in range(1, 1 + max(1, min(_warm_prompt_rows(generate_kwargs.get("prompt_ids")), room)))]
     kw = {k: v for k, v in generate_kwargs.items() if k not in ("prompt_ids", "max_new_tokens", "stop_token_ids")}
     kw.update(prompt_ids=ids, max_new_tokens=Q + 1)  # the prefill token, then one Q-row step
+    if auto:  # warm the full-width path (auto may not draft at all in a 2-step run)
+        kw.update(block_size=Q)
     # the parallel drivers run only above a size threshold that a short prompt never reaches (a
     # long context does, mid-run): with more than one thread, a second pass with the threshold
     # at 0 compiles them too
@@ -73,5 +81,7 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
                 generate(target, draft, **kw)
             if baseline or draft is None:
                 generate(target, None, **dict(kw, block_size=None))
+    if auto:  # the verify cost table (a short timed sweep once kernels are compiled; cached on disk)
+        costs_for(target, draft, int(draft.block_size))
     compiled = kernels_compiled() > before or getattr(target.ops, "device", "cpu") == "cuda"
     return time.perf_counter() - t0 if compiled else None

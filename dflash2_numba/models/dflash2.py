@@ -137,5 +137,6 @@ class DFlash2Draft(DFlashDraft):
         if isinstance(self.selector, RefusedSelector):
             self.selector.select()  # raises SelectorRefusedError, naming the boundary
         positions = np.arange(anchor_pos + 1, anchor_pos + 1 + h.shape[0])  # position each row predicts
-        draft_ids, q, info = self.selector.select(h, z, int(anchor_id), positions, sampling, rng)
-        return Proposal(np.asarray(draft_ids, np.int64), q, info)
+        draft_ids, q, info, conf = self.selector.select(h, z, int(anchor_id), positions, sampling, rng,
+                                                        with_confidence=True)
+        return Proposal(np.asarray(draft_ids, np.int64), q, info, conf)

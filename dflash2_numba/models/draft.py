@@ -296,10 +296,13 @@ class DFlashDraft:
         z = mask_padded(z, valid_vocab(self.target))  # [Q-1, V], padding -inf
         if sampling.greedy:
             draft_ids, q = np.argmax(z, axis=-1).astype(np.int64), None  # first max = lowest id
+            m = z.max(axis=-1, keepdims=True)  # [Q-1, 1]
+            conf = 1.0 / np.exp(z - m).sum(axis=-1)  # softmax(z) at the argmax
         else:
             q = np.stack([target_probs(row, sampling) for row in z]).astype(np.float32)  # [Q-1, V]
             draft_ids = np.array([sample_token(row, rng) for row in q], np.int64)  # drawn from q itself
-        return Proposal(draft_ids, q, LazyInfo(lambda: {"slots": top_candidates(z, N_SLOT_CANDIDATES)}))
+            conf = q.max(axis=-1)  # of the distribution, not of the drawn token
+        return Proposal(draft_ids, q, LazyInfo(lambda: {"slots": top_candidates(z, N_SLOT_CANDIDATES)}), conf)
 
 
 def block_rows(n_rows, n_requests: int) -> list[int]:

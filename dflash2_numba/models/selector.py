@@ -320,8 +320,11 @@ class CandidateSelector:
 
     # ---- one call per draft step
     def select(self, h: np.ndarray, z: np.ndarray, anchor_id: int, positions: np.ndarray,
-               sampling, rng: np.random.Generator | None = None):
-        """The whole §4.4 step. -> (draft_ids [k] int64, q [k, V] f32 or None, info dict).
+               sampling, rng: np.random.Generator | None = None, with_confidence: bool = False):
+        """The whole §4.4 step. -> (draft_ids [k] int64, q [k, V] f32 or None, info dict), and
+        with `with_confidence` a 4th item: confidence [k] f64, row l's max of softmax(S[l, prev_l]
+        / T) (T = 1 when greedy), the walk's conditional top-1 probability given the earlier
+        slots: it reads the distribution row l is drawn from, never the drawn slot.
         With sampling.seed None the noise seed is drawn from `rng` (one draw per step)."""
         ids, v = self.candidates(z)  # [k, K]
         u = self.scalars(v)  # [k, K]
@@ -343,7 +346,18 @@ class CandidateSelector:
                        "candidate_scores": S[l, prevs[l]].tolist()} for l in range(k)],
             "chosen_slots": slots.tolist(),
         })
-        return draft_ids, q, info
+        if not with_confidence:
+            return draft_ids, q, info
+        if q is not None:
+            conf = q.max(axis=-1).astype(np.float64)  # [k]
+        else:
+            rows = S[np.arange(k), prevs].astype(np.float64)  # [k, K] the row each slot's walk read
+            rows = np.where(np.isnan(rows), -np.inf, rows)
+            m = rows.max(axis=-1, keepdims=True)  # [k, 1]
+            with np.errstate(invalid="ignore"):
+                conf = 1.0 / np.exp(rows - m).sum(axis=-1)  # [k]
+            conf = np.where(np.isfinite(m[:, 0]), conf, 1.0)  # all -inf: the walk takes slot 0 surely
+        return draft_ids, q, info, conf
 
 
 class RefusedSelector:

@@ -1,0 +1,482 @@
+"""The adaptive verify width (`block_size="auto"`, docs/adaptive_width.md): per step, how many
+of the draft's B-1 positions the target verifies, k in 0..B-1, chosen to maximise expected
+committed tokens per second
+
+    E(k) = (1 + sum_{j<=k} S_j) / (D + c(k+1))          E(0) = 1 / c(1) before drafting
+
+S_j = estimated probability that drafts 1..j are all accepted, D = the draft's step time,
+c(rows) = the target's verify time for that many rows.
+
+    costs = costs_for(target, draft, B)        # CostTable: measured once (a short timed sweep),
+                                               # cached on disk beside the kernel cache
+    rule  = AdaptiveWidth(costs, B)
+    rule.draft_now(kmax) -> bool               # before drafting: from past statistics only
+    rule.choose(proposal, kmax) -> k           # after drafting: from the draft's confidences
+    rule.observe(k, accepted, drafted, draft_s, verify_s)
+
+Exactness (spec §5.1, docs/adaptive_width.md): greedy output is the target's argmax chain for
+any k. Under sampling, the decision to verify position j may read the draft's distributions
+up to j, the earlier drafts, past statistics and timings, never the token drawn at j. So
+`choose` walks the positions in order and decides on position j from the confidences of
+positions <= j only (the confidence of j+1 may depend on the token drawn at j: a DFlash2 walk
+conditions row j+1 on it); positions past j enter only through past averages.
+
+Confidence of position j = the draft's probability of its own top candidate there (the max of
+the distribution d_j is drawn from; `Proposal.confidence`, else max of `Proposal.q`), never
+q_j(d_j) of the sampled token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BlockSizeError
+
+AUTO = "auto"
+
+
+# ---------------------------------------------------------------- the block-size argument
+def parse_block_size(value):
+    """--block-size / block_size -> "auto" | int | None (None: the draft's B). Anything else
+    (0, "abc", 2.5, True) is a BlockSizeError; the range 2..B is checked once the draft is known
+    (`check_block_size`)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO):
+        return None if value is None else AUTO
+    if isinstance(value, (bool, np.bool_)):
+        raise BlockSizeError(f"block_size must be \"auto\" or an integer >= 2, got {value!r}")
+    given = value
+    if isinstance(value, str):
+        try:
+            value = int(value.strip(), 10)
+        except ValueError:
+            raise BlockSizeError(f"block_size (--block-size) must be \"auto\" or an integer >= 2, "
+                                 f"got {given!r}") from None
+    try:
+        ok = int(value) == value
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok or int(value) < 2:
+        raise BlockSizeError(f"block_size (--block-size) must be \"auto\" or an integer >= 2 (the anchor "
+                             f"row + at least one draft row), got {given!r}")
+    return int(value)
+
+
+def check_block_size(value, B: int) -> int | str:
+    """The parsed value against the draft's trained block B: "auto" | an int in 2..B."""
+    v = parse_block_size(value)
+    if v is None:
+        return int(B)
+    if v != AUTO and v > B:
+        raise BlockSizeError(f"block_size must be \"auto\" or an integer in 2..{B} (the draft's trained "
+                             f"block size), got {value!r}")
+    return v
+
+
+# ---------------------------------------------------------------- the cost table
+SWEEP_RECIPE = 2  # bump when measure_costs times something else (cached tables are then re-measured)
+CLIP = 1.5  # an online sample counts as at most 1.5x (at least 1/1.5x) the current estimate
+
+
+@dataclass
+class CostTable:
+    """verify_s[r-1] = seconds of a target verify of r rows (r = 1..B), draft_s = seconds of
+    one draft step (context update of the last step's tokens + the B-row proposal). `sweep_*`
+    keep the measured values; `verify_s` / `draft_s` are refreshed online from real step times
+    (`observe_*`): per row count an exponential average of (measured - swept), and for counts
+    not seen yet the same average over all counts (the per-step overhead the sweep does not
+    time: sampling, acceptance, bookkeeping). Samples are clipped to CLIP x the estimate, so one
+    step slowed by a burst of load moves it by a few per cent only."""
+    verify_s: np.ndarray  # [B] f64
+    draft_s: float
+    source: str = "sweep"  # "sweep" | "cache" | "injected"
+    sweep_s: float = 0.0  # seconds the sweep took (0 when read from the cache)
+    sweep_verify_s: np.ndarray = field(default=None, repr=False)
+    sweep_draft_s: float = 0.0
+
+    def __post_init__(self):
+        # more rows never cost less: each count takes the cheapest time measured at it or above,
+        # so one count slowed by a burst of load does not lift every count after it
+        v = np.minimum.accumulate(np.asarray(self.verify_s, np.float64)[::-1])[::-1].copy()
+        if v.ndim != 1 or len(v) < 1 or not np.all(np.isfinite(v)) or v.min() < 0:
+            raise ValueError(f"verify costs must be a finite non-negative [B] vector, got {self.verify_s!r}")
+        self.verify_s = v
+        self.draft_s = float(self.draft_s)
+        if self.sweep_verify_s is None:
+            self.sweep_verify_s, self.sweep_draft_s = v.copy(), self.draft_s
+        self._off = np.zeros(len(v))  # per row count: average (measured - swept)
+        self._seen = np.zeros(len(v), bool)
+        self._off_all = 0.0  # the same over every observation
+
+    @property
+    def B(self) -> int:
+        return len(self.verify_s)
+
+    def frozen(self) -> "CostTable":
+        """The measured values only (no online refresh seen): a seeded sampled run reads these,
+        so that it draws the same tokens whatever ran before it in this process."""
+        return CostTable(self.sweep_verify_s.copy(), self.sweep_draft_s, self.source, self.sweep_s)
+
+    def observe_verify(self, rows: int, seconds: float, weight: float = 0.1) -> None:
+        i = rows - 1
+        cur = self.verify_s[i]
+        if cur > 0:
+            seconds = min(max(seconds, cur / CLIP), cur * CLIP)
+        delta = seconds - self.sweep_verify_s[i]
+        if not self._seen[i]:
+            self._off[i], self._seen[i] = self._off_all, True
+        self._off[i] += weight * (delta - self._off[i])
+        self._off_all += weight * (delta - self._off_all)
+        live = self.sweep_verify_s + np.where(self._seen, self._off, self._off_all)  # [B]
+        self.verify_s[:] = np.maximum.accumulate(np.maximum(live, 0.0))
+
+    def observe_draft(self, seconds: float, weight: float = 0.1) -> None:
+        if self.draft_s > 0:
+            seconds = min(max(seconds, self.draft_s / CLIP), self.draft_s * CLIP)
+        self.draft_s += weight * (seconds - self.draft_s)
+
+    def to_json(self) -> dict:
+        return {"verify_s": [float(x) for x in self.sweep_verify_s], "draft_s": self.sweep_draft_s}
+
+
+def sweep_rows(B: int) -> list[int]:
+    """Row counts the sweep times (the rest interpolated): every count up to 8, then a few."""
+    return sorted({r for r in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, B) if r <= B})
+
+
+def interpolate(points: dict[int, float], B: int) -> np.ndarray:
+    """Seconds per row count 1..B, linear between measured counts."""
+    rows = sorted(points)
+    return np.interp(np.arange(1, B + 1), rows, [points[r] for r in rows])
+
+
+def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budget_s: float = 1.0) -> CostTable:
+    """Time target forwards of each sweep row count after a `context`-token prefix (the
+    minimum of up to `reps` rounds, interleaved so that load hits every count alike; rounds
+    after the first stop once `budget_s` is spent, so a big model's sweep stays short) and the
+    draft's B-row proposal. One forward of 1 and of B rows and one proposal run untimed first
+    (kernels already compiled by then, or compiled now)."""
+    from .sampling import SamplingParams
+
+    t_start = time.perf_counter()
+    vocab = max(2, min(int(getattr(target, "valid_vocab", None) or target.config.vocab_size),
+                       target.config.vocab_size))
+    limit = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+    context = max(1, min(context, limit - B - 1))
+    ids = (np.arange(1, context + B + 1) % vocab).astype(np.int64)
+    taps_layers = tuple(draft.target_layer_ids)
+    cache = target.new_cache(context + B + 1)
+    _, taps = target.forward(ids[:context], cache, tap_layers=taps_layers)  # the prefix
+    rows = sweep_rows(B)
+    best = {r: np.inf for r in rows}
+    d_best = np.inf
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    n_new = min(2, context)  # a step's context update: its accepted tokens + the bonus (about 2)
+
+    def part(a, b):
+        return None if taps is None else taps[a:b]
+
+    def draft_step() -> float:
+        """One draft step on a fresh state holding the prefix but its last n_new tokens."""
+        st = draft.new_state(context + B + 1)
+        if context > n_new:
+            draft.extend_context(st, part(0, context - n_new), 0, ids[:context - n_new])
+        t0 = time.perf_counter()
+        draft.extend_context(st, part(context - n_new, context), context - n_new, ids[context - n_new:context])
+        draft.propose(st, int(ids[context]), context, B, greedy, rng)
+        return time.perf_counter() - t0
+
+    for r in (1, B):  # untimed
+        target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
+        cache.commit(context)
+    draft_step()
+    t_timed = time.perf_counter()
+    for rep in range(1, reps + 1):
+        if rep > 1 and time.perf_counter() - t_timed > budget_s:
+            break
+        for r in rows:
+            t0 = time.perf_counter()
+            target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
+            dt = time.perf_counter() - t0
+            cache.commit(context)
+            best[r] = min(best[r], dt)
+        d_best = min(d_best, draft_step())
+    return CostTable(interpolate(best, B), d_best, "sweep", time.perf_counter() - t_start)
+
+
+def _identity(target, draft, B: int, threads: int) -> dict | None:
+    """What the cost table depends on: model files, weight format, run mode, threads, the
+    instruction-set path and CPU. None for models without a directory (test doubles)."""
+    tdir = getattr(getattr(target, "checkpoint", None), "directory", None)
+    ddir = getattr(getattr(draft, "checkpoint", None), "directory", None)
+    if tdir is None or ddir is None:
+        return None
+    from .. import __version__
+    from ..kernels import isa
+
+    def files(d) -> list:  # a model rewritten in place gets a new table
+        d = Path(d)
+        return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns]
+                      for p in [*d.glob("*.safetensors"), d / "config.json"] if p.is_file())
+
+    info = isa.describe()
+    return {"target": str(Path(tdir).resolve()), "draft": str(Path(ddir).resolve()),
+            "files": [files(tdir), files(ddir)],
+            "target_format": str(getattr(target.ops, "quantize", None)),
+            "draft_format": str(getattr(getattr(draft, "ops", None), "quantize", None)),
+            "dtype": str(getattr(target, "dtype", None)), "device": str(getattr(target.ops, "device", None)),
+            "threads": int(threads), "B": int(B), "isa": info["isa"], "cpu": info["cpu_name"],
+            "version": __version__, "sweep": SWEEP_RECIPE}
+
+
+def cost_cache_dir() -> Path:
+    """Beside numba's kernel cache (the fused kernel's cache directory, which NUMBA_CACHE_DIR
+    moves); DFLASH2_COST_CACHE overrides it."""
+    env = os.environ.get("DFLASH2_COST_CACHE")
+    if env:
+        return Path(env).expanduser()
+    try:
+        from ..kernels.fused import kernel_variants
+
+        return Path(kernel_variants()[0]._cache._cache_path) / "dflash2_costs"
+    except Exception:  # no numba cache path (e.g. a cache locator numba could not set up)
+        from ..default import cache_root
+
+        return cache_root() / "costs"
+
+
+def _cache_file(ident: dict) -> Path:
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+    return cost_cache_dir() / f"costs-{key}.json"
+
+
+def _read_cached(path: Path, ident: dict, B: int) -> CostTable | None:
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("identity") != ident:
+            return None
+        v, d = np.asarray(raw["verify_s"], np.float64), float(raw["draft_s"])
+        if v.shape != (B,):
+            return None
+        return CostTable(v, d, "cache")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent, truncated or from another layout: measure again
+
+
+def _write_cached(path: Path, ident: dict, table: CostTable) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"identity": ident, **table.to_json()}, indent=1))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass  # a read-only cache: measured again next time
+
+
+def costs_for(target, draft, B: int) -> CostTable:
+    """The pair's cost table for B-row blocks at the current thread count: this process's copy
+    (kept on the draft, refreshed online by every auto run), else the disk cache, else a sweep
+    (then written to the cache)."""
+    import numba
+
+    threads = numba.get_num_threads()
+    memo = getattr(draft, "_width_costs", None)
+    if memo is None:
+        memo = {}
+        try:
+            draft._width_costs = memo
+        except AttributeError:
+            pass
+    key = (int(B), threads)
+    if key in memo:
+        return memo[key]
+    ident = _identity(target, draft, B, threads)
+    table = _read_cached(_cache_file(ident), ident, B) if ident is not None else None
+    if table is None:
+        table = measure_costs(target, draft, B)
+        if ident is not None:
+            _write_cached(_cache_file(ident), ident, table)
+    memo[key] = table
+    return table
+
+
+# ---------------------------------------------------------------- survival of draft positions
+CONF_EDGES = np.array([0.2, 0.4, 0.6, 0.75, 0.85, 0.93, 0.98])  # top-1 probability bucket edges
+CONF_PRIOR = np.array([0.1, 0.3, 0.5, 0.68, 0.8, 0.89, 0.955, 0.99, 0.6])  # last: no confidence given
+NO_CONF = len(CONF_PRIOR) - 1
+
+
+class SurvivalEstimator:
+    """Conditional acceptance a(j, b) = P(draft j accepted | drafts < j accepted, confidence
+    bucket b of position j), from censored observations: after a step that verified k drafts
+    and accepted A, positions 1..A are acceptances, position A+1 (when <= k) a rejection, and
+    positions past that are unobserved, not failures. Counts decay by `forget` per observation
+    (recent behaviour counts most). A cell with few observations leans on its bucket's pooled
+    rate over all positions, which leans on the bucket's prior (the confidence itself: a
+    calibrated draft's top-1 probability is its acceptance rate)."""
+
+    def __init__(self, B: int, forget: float = 0.99, m_cell: float = 3.0, m_pool: float = 3.0):
+        nb = len(CONF_PRIOR)
+        self.acc, self.n = np.zeros((B, nb)), np.zeros((B, nb))  # [position j (1..B-1; 0 unused), bucket]
+        self.pool_acc, self.pool_n = np.zeros(nb), np.zeros(nb)
+        self.forget, self.m_cell, self.m_pool = forget, m_cell, m_pool
+
+    @staticmethod
+    def buckets(conf: np.ndarray | None, k: int) -> np.ndarray:
+        if conf is None:
+            return np.full(k, NO_CONF, np.int64)
+        return np.searchsorted(CONF_EDGES, np.asarray(conf[:k], np.float64), side="right").astype(np.int64)
+
+    def rate(self, j: int, b: int) -> float:
+        pool = (self.pool_acc[b] + self.m_pool * CONF_PRIOR[b]) / (self.pool_n[b] + self.m_pool)
+        return float((self.acc[j, b] + self.m_cell * pool) / (self.n[j, b] + self.m_cell))
+
+    def observe(self, buckets: np.ndarray, k: int, accepted: int) -> None:
+        """buckets[j-1] of positions 1..k verified, `accepted` of them accepted (a prefix)."""
+        f = self.forget
+        for j in range(1, min(accepted + 1, k) + 1):
+            b, y = int(buckets[j - 1]), float(j <= accepted)
+            self.acc[j, b] = f * self.acc[j, b] + y
+            self.n[j, b] = f * self.n[j, b] + 1.0
+            self.pool_acc[b] = f * self.pool_acc[b] + y
+            self.pool_n[b] = f * self.pool_n[b] + 1.0
+
+
+def proposal_confidence(prop) -> np.ndarray | None:
+    """[n] top-1 probability of the distribution each draft was drawn from (never of the drawn
+    token), or None when the drafter reports neither confidences nor distributions."""
+    conf = getattr(prop, "confidence", None)
+    if conf is not None:
+        return np.asarray(conf, np.float64)
+    if prop.q is not None:
+        return np.asarray(prop.q, np.float64).max(axis=-1)
+    return None
+
+
+# ---------------------------------------------------------------- the rule
+class AdaptiveWidth:
+    """Per step: `draft_now` (before drafting) compares E(0) = 1/c(1) with the best E(k>=1)
+    under the average survival of past drafted steps; `choose` (after drafting) extends the
+    verified prefix position by position while some longer prefix, valued with this step's
+    confidences up to j and past averages beyond, beats stopping. `online`: refresh the costs
+    from the measured step times (off for a seeded sampled run, whose draws then depend only on
+    the cached table). A plain step still feeds the draft's context (decode/step.py)."""
+
+    name = AUTO
+
+    def __init__(self, costs: CostTable, B: int, online: bool = True, warm_steps: int = 3,
+                 probe_every: tuple[int, ...] = (2, 4, 8, 16, 24), mean_weight: float = 0.25):
+        if costs.B < B:
+            raise ValueError(f"cost table for {costs.B} rows, block of {B}")
+        self.costs, self.B, self.online = costs, int(B), online
+        self.est = SurvivalEstimator(B)
+        self.mean_S = 0.7 ** np.arange(B, dtype=np.float64)  # [B] average survival S_j of drafted steps (S_0 = 1)
+        self.mean_weight = mean_weight
+        self.mean_seen = False
+        self.warm_left = warm_steps  # the first drafted steps always draft (statistics to start from)
+        self.probe_every, self.probe_level, self.plain_run = probe_every, 0, 0
+        self._buckets, self._probe = np.zeros(0, np.int64), False
+        # realized tokens and seconds of recent drafted steps (exponential averages): what
+        # drafting has actually paid under the current choice of k
+        self.real_tokens = self.real_s = 0.0
+        self.real_weight = 0.2
+
+    # -- before drafting
+    def _best_value(self, S: np.ndarray, kmax: int) -> tuple[int, float]:
+        """argmax_{k in 0..kmax} E(k) with survival S [>= kmax+1] (S[0] = 1) -> (k, E(k))."""
+        c, D = self.costs.verify_s, self.costs.draft_s
+        best_k, best = 0, 1.0 / max(c[0], 1e-12)
+        tokens = 1.0
+        for k in range(1, kmax + 1):
+            tokens += S[k]
+            v = tokens / max(D + c[k], 1e-12)
+            if v > best:
+                best_k, best = k, v
+        return best_k, best
+
+    def drafting_value(self, kmax: int) -> float:
+        """Expected tokens per second of a drafted step: the larger of the model's best E(k >= 1)
+        (average survival of recent drafted steps, the cost table) and the realized rate of
+        recent drafted steps (tokens over measured seconds)."""
+        c, D, S = self.costs.verify_s, self.costs.draft_s, self.mean_S
+        tokens, best = 1.0, 0.0
+        for k in range(1, kmax + 1):
+            tokens += S[k]
+            best = max(best, tokens / max(D + c[k], 1e-12))
+        if self.real_s > 0:
+            best = max(best, self.real_tokens / self.real_s)
+        return best
+
+    def draft_now(self, kmax: int) -> bool:
+        if self.warm_left > 0:
+            return True
+        if self.drafting_value(kmax) > 1.0 / max(self.costs.verify_s[0], 1e-12):  # E(k >= 1) > E(0)
+            self.plain_run, self.probe_level, self._probe = 0, 0, False
+            return True
+        self.plain_run += 1
+        # re-test now and then (estimates go stale), unless even drafts that are always accepted
+        # could not pay for their rows
+        if self.plain_run > self.probe_every[self.probe_level] and self._best_value(np.ones(kmax + 1), kmax)[0] > 0:
+            self.plain_run, self._probe = 0, True
+            self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
+            return True
+        return False
+
+    # -- after drafting
+    def choose(self, prop, kmax: int) -> int:
+        conf = proposal_confidence(prop)
+        b = self.est.buckets(conf, kmax)
+        self._buckets = b
+        c, D, mS = self.costs.verify_s, self.costs.draft_s, self.mean_S
+        rate = self.est.rate
+        # the step's own survival of every position, for the average the gate uses (past
+        # statistics for later steps; this step's decision reads positions <= j only, below)
+        S_full = np.empty(kmax + 1)
+        S_full[0] = 1.0
+        for j in range(1, kmax + 1):
+            S_full[j] = S_full[j - 1] * rate(j, int(b[j - 1]))
+        w = self.mean_weight if self.mean_seen else 1.0  # the first drafted step replaces the prior
+        self.mean_seen = True
+        self.mean_S[1:kmax + 1] += w * (S_full[1:] - self.mean_S[1:kmax + 1])
+        k, tokens = 0, 1.0
+        for j in range(1, kmax + 1):
+            Sj = S_full[j]  # reads confidences 1..j only
+            stop = tokens / (D + c[j - 1])  # verify k = j-1: j rows
+            t, s, go = tokens + Sj, Sj, False
+            for m in range(j, kmax + 1):  # verify up to m >= j; beyond j by past average ratios
+                if m > j:
+                    s *= min(1.0, mS[m] / mS[m - 1]) if mS[m - 1] > 0 else 0.0
+                    t += s
+                if t / (D + c[m]) > stop:
+                    go = True
+                    break
+            if not go:
+                break
+            k, tokens = j, tokens + Sj
+        if self._probe:  # a re-test verifies at least two positions (else nothing is learnt)
+            k = max(k, min(2, kmax))
+        if self.warm_left > 0:
+            self.warm_left -= 1
+        return k
+
+    # -- after verifying
+    def observe(self, k: int, accepted: int, drafted: bool, draft_s: float, verify_s: float) -> None:
+        if drafted:
+            self.est.observe(self._buckets, k, accepted)
+            self._probe = False
+        if drafted and self.online:  # timings: not for a frozen table (a seeded run's draws)
+            seconds = (self.costs.draft_s if draft_s is None else draft_s) + verify_s
+            w = self.real_weight if self.real_s > 0 else 1.0
+            self.real_tokens += w * (accepted + 1 - self.real_tokens)
+            self.real_s += w * (seconds - self.real_s)
+        if self.online:
+            self.costs.observe_verify(k + 1, verify_s)
+            if drafted and draft_s is not None:  # None: a catch-up step (the prompt's context), not typical
+                self.costs.observe_draft(draft_s)
+

@@ -1,0 +1,408 @@
+"""The adaptive verify width (`block_size="auto"`, decode/width.py, docs/adaptive_width.md).
+
+- the cost model's choice against an independent brute-force argmax of E(k), with injected
+  cost tables: k = 0 when verify rows are expensive, the full width when they are free;
+- the survival estimator is censoring-aware (a position past the first rejection, or past the
+  verified prefix, is unobserved, not a failure);
+- greedy output is identical for every width rule (auto, random widths, plain steps in between)
+  on a hash LM, a tiny random pair and the embedded pair, and plain steps keep the draft's
+  context complete;
+- the cost table is measured once, cached on disk by model / format / threads, and re-measured
+  when those change or the file is damaged;
+- the block-size argument: "auto" | an integer in 2..B, anything else a BlockSizeError.
+The speculative-sampling chi-square test with `auto` and the biased-rule double: test_sampling.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dflash2_numba.decode import width as W
+from dflash2_numba.decode.drafter import OracleDrafter, Proposal
+from dflash2_numba.decode.loop import generate
+from dflash2_numba.errors import BlockSizeError, GenerationArgumentError
+
+from decode_doubles import HashTarget, RandomDrafter, TapCheckingDrafter, greedy_reference
+
+
+def _prop(conf, k=None):
+    conf = np.asarray(conf, np.float64)
+    return Proposal(np.zeros(len(conf) if k is None else k, np.int64), None, {}, conf)
+
+
+def _rule(verify, draft, B=None, **kw):
+    verify = np.asarray(verify, np.float64)
+    return W.AdaptiveWidth(W.CostTable(verify, draft, "injected"), B or len(verify), online=False, **kw)
+
+
+# ---------------------------------------------------------------- the cost model
+def test_expensive_rows_choose_k0_and_free_rows_the_full_width():
+    B = 8
+    conf = np.full(B - 1, 0.99)  # a very confident draft: S_j ~ 0.99^j
+    expensive = _rule([1.0] + [1e3 * r for r in range(1, B)], 0.2)
+    free = _rule(np.full(B, 1.0), 0.0)
+    assert expensive.choose(_prop(conf), B - 1) == 0
+    assert free.choose(_prop(conf), B - 1) == B - 1
+    free_low = _rule(np.full(B, 1.0), 0.0)  # free rows: even unlikely drafts are worth verifying
+    assert free_low.choose(_prop(np.full(B - 1, 0.05)), B - 1) == B - 1
+    # before drafting, past the warm-up: expensive rows -> a plain target step, free rows -> draft
+    e2, f2 = _rule([1.0] + [1e3 * r for r in range(1, B)], 0.2, warm_steps=0), _rule(np.full(B, 1.0), 0.0, warm_steps=0)
+    assert [e2.draft_now(B - 1) for _ in range(8)] == [False] * 8
+    assert all(f2.draft_now(B - 1) for _ in range(8))
+    # the budget caps k
+    assert _rule(np.full(B, 1.0), 0.0).choose(_prop(conf), 3) == 3
+
+
+def _brute_force_k(a, verify, D, kmax):
+    """argmax_k (1 + sum_{j<=k} a^j) / (D + c(k+1)), k in 0..kmax (first maximum)."""
+    vals = [(1 + sum(a ** j for j in range(1, k + 1))) / (D + verify[k]) for k in range(kmax + 1)]
+    return int(np.argmax(vals))
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_choice_is_the_argmax_of_expected_tokens_per_second(case):
+    """With a constant acceptance rate a (every position, every confidence) the rule's k must be
+    the brute-force argmax of E(k) = (1 + a + ... + a^k) / (D + c(k+1)). Cost curves: convex
+    or concave in the rows, drawn at random."""
+    rng = np.random.default_rng(case)
+    B = int(rng.choice([4, 8, 16]))
+    a = float(rng.uniform(0.3, 0.98))
+    c1, slope, curve = 1.0, float(rng.uniform(0.02, 0.8)), float(rng.uniform(0.6, 1.8))
+    verify = c1 + slope * np.arange(B) ** curve
+    D = float(rng.uniform(0.0, 1.5))
+    rule = _rule(verify, D, B)
+    rule.est.rate = lambda j, b: a  # the survival model pinned: S_j = a^j
+    rule.mean_S = a ** np.arange(B, dtype=np.float64)
+    kmax = int(rng.integers(1, B))
+    want = _brute_force_k(a, verify, D, kmax)
+    vals = [(1 + sum(a ** j for j in range(1, k + 1))) / (D + verify[k]) for k in range(kmax + 1)]
+    if sorted(vals)[-1] - sorted(vals)[-2] < 1e-9:
+        pytest.skip("a tie")
+    assert rule.choose(_prop(np.full(B - 1, 0.5)), kmax) == want
+    # before drafting: E(0) = 1/c(1) (no draft) against the best k >= 1 with the draft's cost
+    e0 = 1.0 / verify[0]
+    best = max((1 + sum(a ** j for j in range(1, k + 1))) / (D + verify[k]) for k in range(1, kmax + 1))
+    rule.warm_left = 0
+    assert rule.draft_now(kmax) == (best > e0)
+
+
+def test_choice_reads_confidences_of_earlier_positions_only():
+    """Position j's verify decision may read confidences 1..j, not j+1.. (under sampling, a
+    DFlash2 walk's row j+1 depends on the token drawn at j): changing the confidence of the
+    positions after the chosen prefix + 1 never changes k."""
+    B = 8
+    verify = 1.0 + 0.15 * np.arange(B)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        conf = rng.uniform(0.0, 1.0, B - 1)
+        k = _rule(verify, 0.4).choose(_prop(conf), B - 1)
+        if k + 1 < B - 1:  # positions k+2.. were never looked at
+            conf2 = conf.copy()
+            conf2[k + 1:] = rng.uniform(0.0, 1.0, B - 2 - k)
+            assert _rule(verify, 0.4).choose(_prop(conf2), B - 1) == k
+
+
+def test_cost_table_is_monotone_and_refreshed_online():
+    t = W.CostTable(np.array([1.0, 0.8, 3.0, 2.0]), 0.5)  # a burst of load on rows 1 and 3
+    assert t.verify_s.tolist() == [0.8, 0.8, 2.0, 2.0]
+    # rows 2 take 1.2: offset (1.2 - 0.8) * 0.5 = 0.2 for row 2 and for the rows not seen yet
+    t.observe_verify(2, 1.2, weight=0.5)
+    np.testing.assert_allclose(t.verify_s, [1.0, 1.0, 2.2, 2.2])
+    # rows 4 take 10 (a burst): clipped to 1.5 x 2.2 = 3.3; offset of row 4 (and the unseen
+    # rows 1, 3) 0.2 + 0.5 (1.3 - 0.2) = 0.75; row 2 keeps 0.2 but is lifted to row 1's 1.55
+    t.observe_verify(4, 10.0, weight=0.5)
+    np.testing.assert_allclose(t.verify_s, [1.55, 1.55, 2.75, 2.75])
+    t.observe_draft(5.0, weight=0.5)  # clipped to 0.75
+    assert t.draft_s == 0.625
+    assert t.frozen().verify_s.tolist() == [0.8, 0.8, 2.0, 2.0] and t.frozen().draft_s == 0.5
+
+
+# ---------------------------------------------------------------- survival, censoring-aware
+def test_survival_counts_only_observed_positions():
+    est = W.SurvivalEstimator(8, forget=1.0)
+    b = np.array([7, 7, 7, 7, 7], np.int64)
+    est.observe(b, k=5, accepted=1)  # position 1 accepted, 2 rejected, 3..5 censored
+    assert est.n[1:, 7].tolist() == [1, 1, 0, 0, 0, 0, 0]
+    assert est.acc[1:, 7].tolist() == [1, 0, 0, 0, 0, 0, 0]
+    est.observe(b[:2], k=2, accepted=2)  # both accepted; nothing known past 2 (not verified)
+    assert est.n[1:, 7].tolist() == [2, 2, 0, 0, 0, 0, 0] and est.acc[1:, 7].tolist() == [2, 1, 0, 0, 0, 0, 0]
+
+
+def test_censored_positions_are_not_failures():
+    """Steps verify 3 drafts and accept all 3, 100 times: positions 4..7 were never verified.
+    Their estimate must not fall below the bucket's prior (a censoring-blind estimator, which
+    counts them as rejections, puts them near 0)."""
+    est = W.SurvivalEstimator(8)
+    b = np.full(7, 4, np.int64)  # confidence bucket 4 (0.75..0.85), prior 0.8
+    for _ in range(100):
+        est.observe(b, k=3, accepted=3)
+    assert all(est.rate(j, 4) > 0.95 for j in (1, 2, 3))
+    assert all(est.rate(j, 4) >= W.CONF_PRIOR[4] for j in (4, 5, 6, 7))
+    # and rejections do lower it: position 1 rejected 100 times
+    est2 = W.SurvivalEstimator(8)
+    for _ in range(100):
+        est2.observe(b, k=7, accepted=0)
+    assert est2.rate(1, 4) < 0.05
+
+
+def test_buckets_of_confidence():
+    assert W.SurvivalEstimator.buckets(None, 3).tolist() == [W.NO_CONF] * 3
+    assert W.SurvivalEstimator.buckets(np.array([0.1, 0.5, 0.999, 0.2]), 4).tolist() == [0, 2, 7, 1]
+
+
+# ---------------------------------------------------------------- greedy identity, any rule
+class RandomWidth:
+    """A width rule test double: plain steps and widths 0..kmax at random (never reading a
+    draft token)."""
+    name = "random"
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.plain = self.drafted = 0
+
+    def draft_now(self, kmax):
+        d = bool(self.rng.random() < 0.7)
+        self.drafted += d
+        self.plain += not d
+        return d
+
+    def choose(self, prop, kmax):
+        return int(self.rng.integers(0, kmax + 1))
+
+    def observe(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_identity_for_every_width_rule_hash_lm(seed):
+    target = HashTarget(vocab_size=40, valid=36, scale=2.0, seed=seed)
+    prompt = [1 + seed, 7, 3]
+    ref = greedy_reference(target, prompt, 60)
+    injected = lambda: _rule(1.0 + 0.2 * np.arange(8), 0.3)  # noqa: E731 (mixed widths)
+    for draft in (OracleDrafter(target, block_size=8), RandomDrafter(target, block_size=8, seed=seed)):
+        for rule in (RandomWidth(seed), injected(), None):
+            r = generate(target, draft, prompt_ids=prompt, max_new_tokens=60, width=rule,
+                         block_size="auto" if rule is None else None)
+            assert r.output_ids == ref, (type(draft).__name__, rule)
+            assert sum(r.stats.acceptance_lengths) == 59 and len(r.stats.block_rows) == r.stats.steps
+            assert r.stats.width_histogram == [r.stats.block_rows.count(i + 1) for i in range(8)]
+
+
+def test_plain_steps_keep_the_draft_context_fed():
+    """Random plain steps between drafted ones: the oracle (whose context is the target's own
+    KV cache) still accepts every draft it is asked to verify, and the taps it receives are
+    exactly those of a fresh prefill (TapCheckingDrafter)."""
+    target = HashTarget(vocab_size=40, valid=36, scale=2.0, seed=9)
+    prompt = [3, 1, 4, 1, 5]
+    ref = greedy_reference(target, prompt, 80)
+    draft = TapCheckingDrafter(OracleDrafter(target, block_size=8), target, tap_layers=(0, 2))
+    rule = RandomWidth(4)
+    r = generate(target, draft, prompt_ids=prompt, max_new_tokens=80, width=rule)
+    assert r.output_ids == ref and rule.plain >= 5 and rule.drafted >= 5
+    for rows, acc in zip(r.stats.block_rows, r.stats.acceptance_lengths):
+        assert acc == rows  # every verified oracle draft accepted
+    assert draft.checked_rows >= len(prompt) + len(ref) - 8
+
+
+def test_injected_costs_end_to_end():
+    """Expensive verify rows: after the warm-up every step is a plain target step (or a probe);
+    free rows: every step verifies the full block (budget permitting)."""
+    target = HashTarget(vocab_size=40, valid=36, scale=2.0, seed=2)
+    prompt = [5, 6]
+    ref = greedy_reference(target, prompt, 64)
+    draft = OracleDrafter(target, block_size=8)
+    exp_rule = _rule([1.0] + [1e3 * r for r in range(1, 8)], 0.2)
+    r = generate(target, draft, prompt_ids=prompt, max_new_tokens=64, width=exp_rule)
+    assert r.output_ids == ref
+    assert r.stats.width_histogram[0] == r.stats.steps and r.stats.drafted_steps == 3  # the warm-up's only
+    # rows not free but affordable for a perfect draft: the plain steps are re-tested (probes)
+    mid_rule = _rule(1.0 + 0.5 * np.arange(8), 0.5)
+    mid_rule.est.rate = lambda j, b: 0.05  # a draft that is almost never right
+    r = generate(target, draft, prompt_ids=prompt, max_new_tokens=64, width=mid_rule)
+    assert r.output_ids == ref and 3 < r.stats.drafted_steps < 3 + 8
+    assert r.stats.width_histogram[0] > r.stats.steps - r.stats.drafted_steps
+    free_rule = _rule(np.ones(8), 0.0)
+    r = generate(target, draft, prompt_ids=prompt, max_new_tokens=64, width=free_rule)
+    assert r.output_ids == ref
+    assert r.stats.block_rows[:-1] == [8] * (r.stats.steps - 1) and r.stats.drafted_steps == r.stats.steps
+
+
+# ---------------------------------------------------------------- real models
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    import numba
+
+    from dflash2_numba import tiny
+    from dflash2_numba.api import load_draft, load_target
+
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    d = tmp_path_factory.mktemp("aw")
+    tiny.write_target(d / "target", seed=0, init_std=0.2)
+    tiny.write_draft(d / "dflash2", d / "target", kind="dflash2", block_size=8, seed=1)
+    tiny.write_draft(d / "dflash", d / "target", kind="dflash", block_size=8, seed=2)
+    target = load_target(d / "target")
+    yield target, {k: load_draft(d / k, target) for k in ("dflash2", "dflash")}
+    numba.set_num_threads(threads)
+
+
+def test_greedy_identity_tiny_pair(tiny_pair):
+    target, drafts = tiny_pair
+    for seed in range(3):
+        prompt = [int(x) for x in np.random.default_rng(seed).integers(1, target.valid_vocab, 6)]
+        base = generate(target, None, prompt_ids=prompt, max_new_tokens=48).output_ids
+        for kind, draft in drafts.items():
+            auto = generate(target, draft, prompt_ids=prompt, max_new_tokens=48)  # the default: auto
+            fixed = generate(target, draft, prompt_ids=prompt, max_new_tokens=48, block_size=4)
+            assert auto.stats.width == "auto" and fixed.stats.width == "fixed"
+            assert auto.output_ids == base == fixed.output_ids, (kind, seed)
+            rnd = generate(target, draft, prompt_ids=prompt, max_new_tokens=48, width=RandomWidth(seed))
+            assert rnd.output_ids == base, (kind, seed)
+
+
+def test_greedy_identity_embedded_pair():
+    import numba
+
+    from dflash2_numba.api import load_draft, load_target
+    from dflash2_numba.default import ASSET_DIR
+
+    if not (ASSET_DIR / "dflash2" / "config.json").is_file():
+        pytest.skip("no embedded pair in this install")
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        target = load_target(ASSET_DIR / "target")
+        draft = load_draft(ASSET_DIR / "dflash2", target)
+        for text in ("def fibonacci(n):", "The capital of France is", "import numpy as np\n"):
+            base = generate(target, None, text, max_new_tokens=64)
+            auto = generate(target, draft, text, max_new_tokens=64)
+            fixed = generate(target, draft, text, max_new_tokens=64, block_size=4)
+            assert auto.output_ids == base.output_ids == fixed.output_ids, text
+            assert auto.stats.drafted_steps >= 1  # the trained pair does speculate
+    finally:
+        numba.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- the cost table on disk
+def test_cost_table_cached_by_model_format_threads(tiny_pair, tmp_path, monkeypatch):
+    import numba
+
+    target, drafts = tiny_pair
+    monkeypatch.setenv("DFLASH2_COST_CACHE", str(tmp_path))
+    draft = drafts["dflash2"]
+    draft.__dict__.pop("_width_costs", None)
+    t1 = W.costs_for(target, draft, 8)
+    assert t1.source == "sweep" and t1.B == 8 and np.all(np.diff(t1.verify_s) >= 0) and t1.draft_s > 0
+    files = list(tmp_path.glob("costs-*.json"))
+    assert len(files) == 1
+    raw = json.loads(files[0].read_text())
+    assert raw["identity"]["threads"] == numba.get_num_threads() and raw["identity"]["B"] == 8
+    assert raw["verify_s"] == [float(x) for x in t1.verify_s]
+    assert W.costs_for(target, draft, 8) is t1  # this process: the same (online-refreshed) table
+    draft.__dict__.pop("_width_costs")  # a new process: read from disk, no sweep
+
+    def no_sweep(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(W, "measure_costs", no_sweep)
+    t2 = W.costs_for(target, draft, 8)
+    assert t2.source == "cache" and t2.verify_s.tolist() == t1.verify_s.tolist() and t2.draft_s == t1.draft_s
+    monkeypatch.undo()
+    monkeypatch.setenv("DFLASH2_COST_CACHE", str(tmp_path))
+    # another thread count -> another table; a damaged file -> measured again
+    saved = numba.get_num_threads()
+    draft.__dict__.pop("_width_costs")
+    numba.set_num_threads(1 if saved > 1 else min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        if numba.get_num_threads() != saved:
+            assert W.costs_for(target, draft, 8).source == "sweep"
+            assert len(list(tmp_path.glob("costs-*.json"))) == 2
+    finally:
+        numba.set_num_threads(saved)
+    draft.__dict__.pop("_width_costs")
+    files[0].write_text("{ truncated")
+    assert W.costs_for(target, draft, 8).source == "sweep"
+    assert json.loads(files[0].read_text())["verify_s"]  # rewritten whole
+
+
+def test_default_cost_cache_is_beside_the_kernel_cache(monkeypatch):
+    from dflash2_numba.kernels.fused import kernel_variants
+
+    monkeypatch.delenv("DFLASH2_COST_CACHE")
+    from pathlib import Path
+
+    assert W.cost_cache_dir().parent == Path(kernel_variants()[0]._cache._cache_path)
+
+
+# ---------------------------------------------------------------- the argument
+@pytest.mark.parametrize("value,want", [("auto", "auto"), ("AUTO", "auto"), (" auto ", "auto"), (None, None),
+                                        (2, 2), ("3", 3), (16, 16), (np.int64(5), 5), (4.0, 4)])
+def test_block_size_parse(value, want):
+    assert W.parse_block_size(value) == want
+
+
+@pytest.mark.parametrize("value", [0, 1, -3, "0", "abc", "", "2.5", 2.5, True, False, "8x", [4], float("nan")])
+def test_block_size_refused(value):
+    with pytest.raises(BlockSizeError) as e:
+        W.parse_block_size(value)
+    assert isinstance(e.value, GenerationArgumentError) and "auto" in str(e.value) and repr(value) in str(e.value)
+
+
+def test_block_size_above_B_refused():
+    assert W.check_block_size("auto", 8) == "auto" and W.check_block_size(None, 8) == 8
+    assert W.check_block_size(8, 8) == 8
+    with pytest.raises(BlockSizeError, match=r"2\.\.8.*9"):
+        W.check_block_size(9, 8)
+    target = HashTarget()
+    with pytest.raises(BlockSizeError):
+        generate(target, OracleDrafter(target, block_size=4), prompt_ids=[1], max_new_tokens=4, block_size=5)
+    with pytest.raises(BlockSizeError):
+        generate(target, OracleDrafter(target, block_size=4), prompt_ids=[1], max_new_tokens=4, block_size="abc")
+
+
+# ---------------------------------------------------------------- the drafts' confidences
+def test_draft_confidences_read_the_distributions(tiny_pair):
+    """DFlash v1 greedy: softmax of the draft's logits at its argmax (recomputed here from the
+    block states); sampled: the max of q (the distribution d_j is drawn from), not q(d_j).
+    DFlash2: the walk's conditional top-1 probability, in (0, 1]; sampled: max of q."""
+    from dflash2_numba.decode.sampling import SamplingParams, mask_padded
+
+    target, drafts = tiny_pair
+    prompt = np.arange(1, 9, dtype=np.int64)
+    cache = target.new_cache(32)
+    for kind, draft in drafts.items():
+        cache = target.new_cache(32)
+        _, taps = target.forward(prompt, cache, tap_layers=tuple(draft.target_layer_ids))
+        st = draft.new_state(32)
+        draft.extend_context(st, taps, 0, prompt)
+        g = draft.propose(st, 5, len(prompt), 8, SamplingParams(), np.random.default_rng(0))
+        s = draft.propose(st, 5, len(prompt), 8, SamplingParams(temperature=0.9), np.random.default_rng(0))
+        assert g.confidence.shape == (7,) and np.all((g.confidence > 0) & (g.confidence <= 1))
+        np.testing.assert_allclose(s.confidence, s.q.max(axis=-1), rtol=1e-6)
+        assert np.any(s.confidence != s.q[np.arange(7), s.draft_ids]) or np.all(s.q.max(-1) == 1)
+        if kind == "dflash":
+            h = draft.block_forward([st], [5], [len(prompt)], 8)[1:]
+            z = mask_padded(target.lm_head(h), target.valid_vocab).astype(np.float64)
+            want = np.exp(z.max(-1) - z.max(-1)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1)
+            np.testing.assert_allclose(g.confidence, want, rtol=1e-5)
+
+
+def test_seeded_sampling_with_auto_is_reproducible_in_a_process():
+    """A seeded sampled `auto` run reads the measured table only: other runs refreshing the
+    process's table in between (and a different verify cost now) do not change its tokens."""
+    target = HashTarget(vocab_size=40, valid=36, scale=1.0, seed=2)
+    draft = OracleDrafter(HashTarget(vocab_size=40, valid=36, scale=1.0, seed=2), block_size=8, mode="sample",
+                          temperature_scale=1.5)
+    kw = dict(prompt_ids=[1, 2, 3], max_new_tokens=40, temperature=1.0, block_size="auto")
+    first = generate(target, draft, seed=7, **kw)
+    table = W.costs_for(target, draft, 8)
+    for i in range(3):  # online refresh by other runs; then the machine "gets slower" at 2+ rows
+        generate(target, draft, **dict(kw, temperature=0.0))
+    table.verify_s[1:] *= 50.0
+    table.draft_s *= 50.0
+    again = generate(target, draft, seed=7, **kw)
+    assert again.output_ids == first.output_ids and again.stats.block_rows == first.stats.block_rows
+    assert generate(target, draft, **dict(kw, temperature=0.0)).stats.drafted_steps <= 3 + 2  # the live table moved
