@@ -87,13 +87,7 @@ def plan_awq(qcfg: dict, infos: dict, raw_get, where) -> list[Entry]:
     g = cfg_value(qcfg, "group_size", where, (int,), default=cfg_value(qcfg, "q_group_size", where, (int,), default=128))
     skip = name_list(qcfg, "modules_to_not_convert", where)
     entries = []
-    for name, t in infos.items():
-        if not name.endswith(".qweight"):
-            continue
-        X = name[: -len(".qweight")]
-        if matches_substring(X, skip):
-            raise StoredFormatError(f"{t.file}: tensor '{name}': module '{X}' is in "
-                                    "quantization_config.modules_to_not_convert but is stored quantized")
+    for name, X in qweight_modules(infos, skip):
         qw = need(infos, name, ("I32",), 2, where)
         K, N = qw.shape[0], qw.shape[1] * 8
         if g <= 0 or K % g:
@@ -137,6 +131,19 @@ def build_gptq(entry: Entry, raw: dict) -> StoredWeight:
     return StoredWeight("int4", entry.format, (N, K), arrays, int4.matmul_int4, int4.dequantize_int4)
 
 
+def qweight_modules(infos: dict, skip):
+    """(tensor name, module name X) of every `X.qweight` in the file (AWQ and GPTQ alike); a
+    module listed in modules_to_not_convert but stored quantized is refused by name."""
+    for name, t in infos.items():
+        if not name.endswith(".qweight"):
+            continue
+        X = name[: -len(".qweight")]
+        if matches_substring(X, skip):
+            raise StoredFormatError(f"{t.file}: tensor '{name}': module '{X}' is in "
+                                    "quantization_config.modules_to_not_convert but is stored quantized")
+        yield name, X
+
+
 def plan_gptq(qcfg: dict, infos: dict, raw_get, where) -> list[Entry]:
     bits = cfg_value(qcfg, "bits", where, (int,), required=True)
     if bits != 4:
@@ -147,13 +154,7 @@ def plan_gptq(qcfg: dict, infos: dict, raw_get, where) -> list[Entry]:
     g = cfg_value(qcfg, "group_size", where, (int,), default=128)
     skip = name_list(qcfg, "modules_to_not_convert", where)
     entries = []
-    for name, t in infos.items():
-        if not name.endswith(".qweight"):
-            continue
-        X = name[: -len(".qweight")]
-        if matches_substring(X, skip):
-            raise StoredFormatError(f"{t.file}: tensor '{name}': module '{X}' is in "
-                                    "quantization_config.modules_to_not_convert but is stored quantized")
+    for name, X in qweight_modules(infos, skip):
         qw = need(infos, name, ("I32",), 2, where)
         K, N = qw.shape[0] * 8, qw.shape[1]
         gs = K if g == -1 else g
