@@ -304,3 +304,22 @@ def test_missing_expert_named(models, tmp_path):
             (dst / f.name).write_bytes(f.read_bytes())
     with pytest.raises(MissingTensorsError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
         dn.load_target(dst)
+
+
+def test_inspect_reports_total_and_active_parameters(models):
+    """inspect's MoE facts (computed from the config's inventory) against the checkpoint's own
+    tensors: total = every tensor; active = total minus the (E - k) / E share of the experts."""
+    from dflash2_numba.checkpoint import open_checkpoint
+    from dflash2_numba.inspect_model import format_inspect, inspect_model
+
+    d, _ = models["norm"]
+    report = inspect_model(d, hash_files=False)
+    ck = open_checkpoint(d)
+    sizes = {n: int(np.prod(ck.info(n).shape)) for n in ck.names()}
+    experts = sum(s for n, s in sizes.items() if ".experts." in n)
+    E, k = 8, 2
+    assert report["total_parameters"] == sum(sizes.values())
+    assert report["active_parameters_per_token"] == sum(sizes.values()) - experts * (E - k) // E
+    assert report["bytes_read_per_token"]["q4_0"] < report["bytes_read_per_token"]["q8_0"] < \
+        report["bytes_read_per_token"]["bf16"]
+    assert "mixture of experts: 8 experts, 2 per token" in format_inspect(report)

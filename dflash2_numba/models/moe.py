@@ -162,8 +162,14 @@ def moe_facts(expected, num_experts: int, top_k: int, tied: bool) -> dict:
 def moe_summary_lines(facts: dict) -> list[str]:
     from ..config import human_bytes
 
+    def count(n: int) -> str:  # 30.53 B / 627.55 K
+        for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+            if n >= div:
+                return f"{n / div:.2f} {unit}"
+        return str(n)
+
     per_tok = ", ".join(f"{fmt} {human_bytes(b)}" for fmt, b in facts["bytes_read_per_token"].items())
     return [f"mixture of experts: {facts['num_experts']} experts, {facts['experts_per_token']} per token; "
-            f"parameters {facts['total_parameters'] / 1e9:.2f} B total, "
-            f"{facts['active_parameters_per_token'] / 1e9:.2f} B active per token",
+            f"parameters {count(facts['total_parameters'])} total, "
+            f"{count(facts['active_parameters_per_token'])} active per token",
             f"weights read per decoded token: {per_tok}"]
