@@ -21,31 +21,23 @@ V = 256
 
 
 def _randomise(model, seed: int, router_std: float = 0.5):
-    """Every parameter redrawn: norms away from their identity, routers wide enough that routing
-    differs token to token, projections at 1.5 / sqrt(fan_in)."""
+    """Every parameter redrawn (qwen3_5_fixtures.draw), with routers wide enough that routing
+    differs token to token and experts scaled by their own fan-in; then rounded to bf16 values,
+    stored exactly as bf16 and run exactly in f32."""
+    from qwen3_5_fixtures import draw
+
     rng = np.random.default_rng(seed)
+    norm_base = 0.0 if "qwen3_5" in type(model).__module__ else 1.0  # Qwen3 norms multiply by w, Qwen3.5 by 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
-            if name.endswith("A_log"):
-                val = np.log(rng.uniform(0.5, 4.0, shape))
-            elif name.endswith("dt_bias"):
-                val = rng.standard_normal(shape)
-            elif name.endswith("linear_attn.norm.weight"):
-                val = 1.0 + 0.3 * rng.standard_normal(shape)
-            elif p.ndim == 1:  # Qwen3 norms multiply by w, Qwen3.5 norms by 1 + w: both away from identity
-                val = (1.0 if "qwen3_5" not in type(model).__module__ else 0.0) + 0.3 * rng.standard_normal(shape)
-            elif "conv1d" in name:
-                val = 0.5 * rng.standard_normal(shape)
-            elif "embed_tokens" in name:
-                val = rng.standard_normal(shape)
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # routers and the shared gate
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # routers and the shared gate
                 val = router_std * rng.standard_normal(shape) * (8.0 / np.sqrt(shape[-1]))
+            elif len(shape) == 3:  # fused experts [E, out, in]
+                val = rng.standard_normal(shape) * (1.5 / np.sqrt(shape[-1]))
             else:
-                fan_in = shape[-1]
-                val = rng.standard_normal(shape) * (1.5 / np.sqrt(fan_in))
-            bf16 = torch.from_numpy(val.astype(np.float32)).to(torch.bfloat16).to(torch.float32)
-            p.copy_(bf16)  # bf16 values: stored exactly as bf16, run exactly in f32
+                val = draw(name, shape, rng, norm_base)
+            p.copy_(torch.from_numpy(val.astype(np.float32)).to(torch.bfloat16).to(torch.float32))
     return model
 
 

@@ -28,27 +28,30 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
               temporal_patch_size=2, num_position_embeddings=16)
 
 
+def draw(name: str, shape: tuple, rng, norm_base: float = 0.0) -> np.ndarray:
+    """A parameter's random value, by what it is: A_log / dt_bias spread, the GDN norm weight
+    around 1, other 1-D weights around norm_base (0: Qwen3.5's zero-centred norms, used as 1 + w),
+    conv taps, embeddings, projections at 1.5 / sqrt(fan_in). The MoE fixtures draw through it too."""
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(0.5, 4.0, shape))
+    if name.endswith("dt_bias"):
+        return rng.standard_normal(shape)
+    if name.endswith("linear_attn.norm.weight"):  # plain weight, init 1
+        return 1.0 + 0.3 * rng.standard_normal(shape)
+    if len(shape) == 1:  # norms and vision biases
+        return norm_base + 0.3 * rng.standard_normal(shape)
+    if "conv1d" in name:
+        return 0.5 * rng.standard_normal(shape)
+    if "embed_tokens" in name:
+        return rng.standard_normal(shape)
+    return rng.standard_normal(shape) * (1.5 / np.sqrt(int(np.prod(shape[1:]))))
+
+
 def _randomise(model, seed):
     rng = np.random.default_rng(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            shape = tuple(p.shape)
-            if name.endswith("A_log"):
-                val = np.log(rng.uniform(0.5, 4.0, shape))
-            elif name.endswith("dt_bias"):
-                val = rng.standard_normal(shape)
-            elif name.endswith("linear_attn.norm.weight"):  # plain weight, init 1
-                val = 1.0 + 0.3 * rng.standard_normal(shape)
-            elif p.ndim == 1:  # zero-centred norms (used as 1 + w) and vision biases
-                val = 0.3 * rng.standard_normal(shape)
-            elif "conv1d" in name:
-                val = 0.5 * rng.standard_normal(shape)
-            elif "embed_tokens" in name:
-                val = rng.standard_normal(shape)
-            else:
-                fan_in = int(np.prod(shape[1:]))
-                val = rng.standard_normal(shape) * (1.5 / np.sqrt(fan_in))
-            p.copy_(torch.from_numpy(val.astype(np.float32)))
+            p.copy_(torch.from_numpy(draw(name, tuple(p.shape), rng).astype(np.float32)))
     return model
 
 

@@ -143,11 +143,15 @@ def test_speculative_greedy_equals_target_only(models, tmp_path, kind, case):
     d, _ = models[case]
     target = dn.load_target(d)
     draft_dir = tiny.write_draft(tmp_path / kind, d, kind=kind, block_size=8, seed=3, mask_token_id=255)
-    draft = dn.load_draft(draft_dir, target)
+    assert_speculation_lossless(target, dn.load_draft(draft_dir, target))
+
+
+def assert_speculation_lossless(target, draft, qs=(2, 4, 8)):
+    """Greedy speculative output == target-only greedy on two prompts at every Q in qs."""
     for prompt_seed in (0, 1):
         prompt = [int(x) for x in _prompt(10, seed=prompt_seed)]
         base = dn.generate(target, None, prompt_ids=prompt, max_new_tokens=24).output_ids
-        for Q in (2, 4, 8):
+        for Q in qs:
             got = dn.generate(target, draft, prompt_ids=prompt, max_new_tokens=24, block_size=Q)
             assert got.output_ids == base, (Q, prompt_seed)
             assert got.stats.steps >= 1

@@ -32,7 +32,7 @@ from ..config_checks import architecture_of, check_int_list, get_bool, get_int
 from ..errors import ConfigValueError, UnknownArchitectureError
 from ..inventory import ExpectedTensors
 from ..kernels import fused, fused_moe
-from ..kernels.panels import pack_bf16
+from ..kernels.panels import group_panels, pack_bf16
 from ..models.base import Span
 from ..quant.weights import release_pages
 from ..models.moe import ExpertWeights, moe_facts, moe_mlp, moe_summary_lines, stack_panels
@@ -220,8 +220,6 @@ class Qwen3MoeModel(TargetModel):
         moe: ExpertWeights = L["moe"]
         if moe.stacked is None or not fused.can_fuse(1, (L["q"], L["k"], L["v"], L["o"], moe.router)):
             return None
-        from ..kernels.panels import group_panels
-
         c, no_norm = self.config, np.empty(0, np.float32)
         qkv, (_, k_at, v_at) = group_panels([L["q"], L["k"], L["v"]])
         attn = (qkv, L["o"].panels, L["ln1"], L["ln2"], L.get("q_norm", no_norm), L.get("k_norm", no_norm),

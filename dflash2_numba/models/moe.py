@@ -83,8 +83,9 @@ def stack_panels(weights: list):
 
 
 def _stack(arrays: list) -> np.ndarray:
-    """np.stack into one preallocated array, releasing each part as it is copied (the caller's
-    list keeps references, so the copy is only transient per part)."""
+    """The parts copied into one preallocated [len, ...] array (np.stack without a temporary).
+    Until the caller re-points its weights, parts and stack are both alive: one layer's experts
+    twice, transiently."""
     out = np.empty((len(arrays),) + arrays[0].shape, arrays[0].dtype)
     for e, a in enumerate(arrays):
         out[e] = a
