@@ -36,6 +36,8 @@ from .decode.sampling import SamplingParams
 from .decode.width import parse_block_size
 from .errors import DFlashError, GenerationArgumentError, OutputPathError
 from .serve.command import make_serve_command
+from .serve.protocol import REASONING_EFFORTS
+from .serve.reasoning import ReplySplit, reasoning_parser
 
 
 class _Group(click.Group):
@@ -70,6 +72,9 @@ def main():
 
 # ---------------------------------------------------------------- shared options
 def _prompt_options(f):
+    f = click.option("--reasoning-effort", type=click.Choice(REASONING_EFFORTS), default=None,
+                     help="With --chat: the template's reasoning_effort (gpt-oss; the template's default when "
+                          "omitted).")(f)
     f = click.option("--think/--no-think", default=False, show_default=True,
                      help="With --chat: render the template with enable_thinking (Qwen3-style thinking on).")(f)
     f = click.option("--chat/--no-chat", default=False, show_default=True,
@@ -107,10 +112,20 @@ def _sampling_options(f):
     return f
 
 
-def _think(chat: bool, think: bool) -> bool:
+def _template_kwargs(target, chat: bool, think: bool, effort: str | None) -> dict:
+    """--think / --reasoning-effort as chat template variables (both need --chat; an effort
+    needs a template that reads reasoning_effort)."""
     if think and not chat:
         raise GenerationArgumentError("--think renders the chat template with thinking on: it needs --chat")
-    return think
+    kwargs = {"enable_thinking": think}
+    if effort is not None:
+        if not chat:
+            raise GenerationArgumentError("--reasoning-effort is a chat template variable: it needs --chat")
+        if not target.tokenizer.takes("reasoning_effort"):
+            raise GenerationArgumentError(f"--reasoning-effort: the chat template ({target.tokenizer.chat_template_source}) "
+                                          "does not read reasoning_effort")
+        kwargs["reasoning_effort"] = effort
+    return kwargs
 
 
 def _read_prompt(prompt, prompt_file, prompt_ids):
@@ -183,6 +198,44 @@ def _write_json(obj, dest, out) -> None:
         out.write(text + "\n")
 
 
+class _Reply:
+    """`generate --chat`: the reply's content streams to stdout; its reasoning (what the
+    tokenizer's thinking format marks, serve/reasoning.py) to stderr between two rule lines
+    (--reasoning stderr) or nowhere (hide). Markers and the stop token are neither."""
+
+    def __init__(self, tokenizer, prompt_ids, mode: str, show: bool):
+        self.split = ReplySplit(tokenizer, reasoning_parser(tokenizer), prompt_ids)
+        self.mode, self.show, self.open = mode, show, False
+        self.reasoning, self.content = [], []
+
+    def add(self, step) -> None:
+        n = len(step.token_ids)
+        for j, t in enumerate(step.token_ids):
+            last = j == n - 1
+            _, r, c = self.split.feed(t, stop_id=step.finish_reason == "stop" and last,
+                                      last=step.finish_reason is not None and last)
+            self.reasoning.append(r)
+            self.content.append(c)
+            if self.show and r and self.mode == "stderr":
+                if not self.open:
+                    click.echo("--- reasoning ---", err=True)
+                    self.open = True
+                click.echo(r, err=True, nl=False)
+            if self.show and c:
+                self._close()
+                emit(c, nl=False)
+        if step.finish_reason is not None:
+            self._close()
+
+    def _close(self) -> None:
+        if self.open:
+            click.echo("\n--- end of reasoning ---", err=True)
+            self.open = False
+
+    def fields(self) -> dict:
+        return {"reasoning": "".join(self.reasoning), "content": "".join(self.content)}
+
+
 # ---------------------------------------------------------------- generate
 @main.command()
 @_model_options
@@ -194,10 +247,13 @@ def _write_json(obj, dest, out) -> None:
 @click.option("--baseline", is_flag=True, help="Also run target-only on the same prompt and report the speedup.")
 @click.option("--json", "json_dest", default=None, metavar="PATH|-",
               help="Write the result object to PATH, or to stdout with '-' (then text is not streamed).")
+@click.option("--reasoning", type=click.Choice(["stderr", "hide", "raw"]), default="stderr", show_default=True,
+              help="With --chat: where the reply's reasoning goes (a thinking format's: gpt-oss's analysis channel, "
+                   "Qwen3's <think>); stdout gets the answer. raw: the generated text as is, markers included.")
 @_quantize_option
 def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
-             block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
-             json_dest, quantize):
+             reasoning_effort, block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
+             json_dest, reasoning, quantize):
     """Generate text; stream it to stdout, statistics to stderr."""
     from .decode.loop import generate as run_generate, resolve_prompt_ids, stream_generate
     from .decode.stats import peak_rss_mb
@@ -208,7 +264,7 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
         block_size = parse_block_size(block_size)  # "auto" | int >= 2; 2..B once the draft is known
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
         target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)
-        ids = resolve_prompt_ids(target, prompt, ids, chat, enable_thinking=_think(chat, think))
+        ids = resolve_prompt_ids(target, prompt, ids, chat, **_template_kwargs(target, chat, think, reasoning_effort))
         kwargs = dict(max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids)
 
@@ -216,11 +272,14 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
         compile_s = warm_up(target, draft, baseline=baseline, **kwargs)
 
         tokens, parts, finish, stats = [], [], None, None
+        reply = _Reply(target.tokenizer, ids, reasoning, show=json_dest != "-") if chat and reasoning != "raw" else None
         for step in stream_generate(target, draft, **kwargs):
             tokens.extend(step.token_ids)
             parts.append(step.text)
             finish, stats = step.finish_reason, step.stats
-            if json_dest != "-" and step.text:
+            if reply is not None:
+                reply.add(step)
+            elif json_dest != "-" and step.text:
                 emit(step.text, nl=False)
         if json_dest != "-":
             emit("")  # the text's last line before the stats block on stderr
@@ -242,6 +301,7 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
                 "draft_kind": None if draft is None else draft.kind, "block_size": stats.block_size,
                 "width": stats.width,
                 "prompt_ids": ids, "output_ids": tokens, "text": "".join(parts), "finish_reason": finish,
+                **(reply.fields() if reply is not None else {}),
                 "stats": {k: s[k] for k in (
                     "steps", "tau", "acceptance_lengths", "acceptance_histogram", "block_rows",
                     "width_histogram", "drafted_steps",
@@ -262,7 +322,7 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
 @click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the scores to PATH or stdout ('-').")
 @_quantize_option
 def score(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
-          continuation, top_n, json_dest, quantize):
+          reasoning_effort, continuation, top_n, json_dest, quantize):
     """The target's log-probability of each prompt token (what the server's echo + logprobs report)."""
     from .decode.logprobs import MAX_TOP_LOGPROBS
     from .decode.loop import resolve_prompt_ids
@@ -273,7 +333,7 @@ def score(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, pr
             raise GenerationArgumentError(f"--top must be in 0..{MAX_TOP_LOGPROBS}, got {top_n}")
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
         _, _, target, _ = _load(target_dir, None, device, dtype, threads, quantize=quantize)
-        ids = resolve_prompt_ids(target, prompt, ids, chat, enable_thinking=_think(chat, think))
+        ids = resolve_prompt_ids(target, prompt, ids, chat, **_template_kwargs(target, chat, think, reasoning_effort))
         n_context = len(ids)
         if continuation is not None:
             ids = ids + target.tokenizer.encode(continuation, add_special_tokens=False)
@@ -306,17 +366,17 @@ def score(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, pr
 @click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the proposal object to PATH or stdout ('-').")
 @_quantize_option
 def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
-            block_size, temperature, top_k, top_p, seed, json_dest, quantize):
+            reasoning_effort, block_size, temperature, top_k, top_p, seed, json_dest, quantize):
     """One draft proposal round, stopping before verification."""
-    from .decode.loop import propose_once
+    from .decode.loop import propose_once, resolve_prompt_ids
 
     with json_destination(json_dest) as out:
         SamplingParams(temperature, top_k, top_p, seed)
         block_size = parse_block_size(block_size)
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
         _, _, target, draft = _load(target_dir, draft_dir, device, dtype, threads, need_draft=True, quantize=quantize)
-        res = propose_once(target, draft, prompt, prompt_ids=ids, chat=chat, enable_thinking=_think(chat, think),
-                           block_size=block_size,
+        ids = resolve_prompt_ids(target, prompt, ids, chat, **_template_kwargs(target, chat, think, reasoning_effort))
+        res = propose_once(target, draft, prompt_ids=ids, block_size=block_size,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if json_dest is not None:
             _write_json(res, json_dest, out)

@@ -3,6 +3,7 @@
     tok = Tokenizer.from_dir("models/Qwen3-8B")
     ids = tok.encode_prompt("Hi", chat=True)           # chat template rendered, then encoded
     tok.stop_ids(extra=[7])                            # generation_config ∪ config eos ∪ extra (§5.2)
+    tok.takes("reasoning_effort")                      # does the chat template read this variable?
     dec = tok.stream_decoder(); dec.feed([..]); dec.flush()
 
 Files read: `tokenizer.json` (required), `tokenizer_config.json` (chat_template, bos/eos token
@@ -21,6 +22,7 @@ from typing import Iterable, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -82,14 +84,25 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """A template compiled in the sandboxed environment Hugging Face uses."""
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The sandboxed environment Hugging Face renders chat templates in."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A template compiled in the sandboxed environment Hugging Face uses."""
+    return _environment().from_string(source)
+
+
+# harmony (gpt-oss): a message is <|start|>{header}<|message|>{body}<|end|>; <|end|> closes a
+# message (the analysis one, say) and the reply goes on, so it is never a stop of the model
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+MESSAGE_END = "<|end|>"
 
 
 # ---------------------------------------------------------------- the tokenizer
@@ -111,6 +124,7 @@ class Tokenizer:
         self.generation_eos_ids = tuple(generation_eos_ids)
         self.config_eos_ids = tuple(config_eos_ids)
         self._template: jinja2.Template | None = None
+        self._variables: frozenset[str] | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -177,15 +191,37 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(int(token_id))
 
+    @property
+    def harmony(self) -> bool:
+        """The vocabulary has harmony's message markers as tokens (gpt-oss)."""
+        return all(self.hf.token_to_id(m) is not None for m in HARMONY_MARKERS)
+
     def stop_ids(self, extra: Iterable[int] = ()) -> frozenset[int]:
         """generation_config eos ∪ config.json eos ∪ `extra` (spec §5.2). When neither file
-        names an eos id, the tokenizer_config eos_token (if it is a known token) stands in."""
+        names an eos id, the tokenizer_config eos_token (if it is a known token) stands in.
+        In a harmony vocabulary `<|end|>` is left out of what the files name (a file that lists
+        it would end every reply after its analysis message); `extra` is kept as given."""
         ids = set(self.generation_eos_ids) | set(self.config_eos_ids)
         if not ids and self.eos_token is not None and self.hf.token_to_id(self.eos_token) is not None:
             ids.add(self.hf.token_to_id(self.eos_token))
+        if self.harmony:
+            ids.discard(self.hf.token_to_id(MESSAGE_END))
         return frozenset(ids | {int(i) for i in extra})
 
     # ---- chat
+    def takes(self, variable: str) -> bool:
+        """The chat template reads `variable` (e.g. gpt-oss's reasoning_effort, Qwen3's
+        enable_thinking); False without a template."""
+        if self.chat_template is None:
+            return False
+        if self._variables is None:
+            try:
+                ast = _environment().parse(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise self._syntax_error(e) from e
+            self._variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
+        return variable in self._variables
+
     def apply_chat_template(self, messages: str | list[dict], enable_thinking: bool = False,
                             add_generation_prompt: bool = True, **kwargs) -> str:
         """Render the model's own chat template. A str is one user message."""
@@ -202,8 +238,7 @@ class Tokenizer:
             try:
                 self._template = compile_chat_template(self.chat_template)
             except jinja2.TemplateSyntaxError as e:
-                raise ChatTemplateError(f"{where}: the chat template does not compile: {e.message} "
-                                        f"(template line {e.lineno})") from e
+                raise self._syntax_error(e) from e
         context = dict(messages=messages, add_generation_prompt=add_generation_prompt,
                        enable_thinking=enable_thinking, bos_token=self.bos_token or "",
                        eos_token=self.eos_token or "")
@@ -213,13 +248,18 @@ class Tokenizer:
             raise ChatTemplateError(f"{where}: the chat template failed while rendering: "
                                     f"{type(e).__name__}: {e}") from e
 
+    def _syntax_error(self, e: jinja2.TemplateSyntaxError) -> ChatTemplateError:
+        return ChatTemplateError(f"{self.chat_template_source or 'chat_template'}: the chat template does not "
+                                 f"compile: {e.message} (template line {e.lineno})")
+
     def encode_prompt(self, prompt: str | list[dict], chat: bool = False,
-                      enable_thinking: bool = False) -> list[int]:
-        """Prompt ids. chat=True renders the template and encodes WITHOUT special tokens (the
-        template already holds them, as in HF), so Llama does not get two BOS."""
+                      enable_thinking: bool = False, **template_kwargs) -> list[int]:
+        """Prompt ids. chat=True renders the template (with `template_kwargs`, e.g.
+        reasoning_effort="high") and encodes WITHOUT special tokens (the template already
+        holds them, as in HF), so Llama does not get two BOS."""
         if chat:
-            return self.encode(self.apply_chat_template(prompt, enable_thinking=enable_thinking),
-                               add_special_tokens=False)
+            text = self.apply_chat_template(prompt, enable_thinking=enable_thinking, **template_kwargs)
+            return self.encode(text, add_special_tokens=False)
         if not isinstance(prompt, str):
             raise TypeError("a message list needs chat=True")
         return self.encode(prompt)

@@ -55,8 +55,10 @@ def _vocab_size(target) -> int:
     return int(cfg.vocab_size) if cfg is not None else int(target.vocab_size)
 
 
-def resolve_prompt_ids(target, prompt, prompt_ids, chat: bool, enable_thinking: bool = False) -> list[int]:
-    """Prompt token ids from `prompt_ids` (used as given) or the text `prompt`."""
+def resolve_prompt_ids(target, prompt, prompt_ids, chat: bool, enable_thinking: bool = False,
+                       **template_kwargs) -> list[int]:
+    """Prompt token ids from `prompt_ids` (used as given) or the text `prompt` (chat: rendered
+    with the chat template, `template_kwargs` its extra variables, e.g. reasoning_effort)."""
     if prompt_ids is not None:
         ids = [int(i) for i in prompt_ids]
     else:
@@ -65,7 +67,7 @@ def resolve_prompt_ids(target, prompt, prompt_ids, chat: bool, enable_thinking: 
         tok = tokenizer_of(target)
         if tok is None:
             raise GenerationArgumentError("a text prompt needs the target's tokenizer; pass prompt_ids")
-        ids = tok.encode_prompt(prompt, chat=chat, enable_thinking=enable_thinking)
+        ids = tok.encode_prompt(prompt, chat=chat, enable_thinking=enable_thinking, **template_kwargs)
     if not ids:
         raise GenerationArgumentError("the prompt is empty (0 tokens); the target needs at least one")
     V = _vocab_size(target)

@@ -40,7 +40,7 @@ from ..errors import DFlashError, GenerationArgumentError, SelectorRefusedError
 from ..models.batched import batches_draft, batches_target, step_batch
 from .logprobs import entries
 from .metrics import Metrics
-from .reasoning import reasoning_parser
+from .reasoning import ReplySplit, reasoning_parser
 from .protocol import DEFAULT_MAX_TOKENS, BadRequest, GenRequest, QueueFull, Unavailable, as_request_error
 from .stops import StopStrings
 
@@ -56,9 +56,8 @@ class Job:
     cancelled: bool = False  # set by the HTTP side (client gone); read by the engine
     # engine-side state
     dec: Decoding | None = None
-    decoder: object = None
+    split: ReplySplit | None = None  # detokeniser (+ reasoning parser of a chat request)
     stops: StopStrings | None = None
-    reasoning: object = None  # serve/reasoning.py parser of this chat request, or None
     n_out: int = 0  # completion tokens (through the token that completed a stop string)
     chars: int = 0  # characters decoded so far (echoed prompt included): the next token's text_offset
     t_submit: float = field(default_factory=time.perf_counter)
@@ -260,10 +259,9 @@ class Engine:
             try:
                 if job.dec is None:
                     job.dec = self._decoding(job.req)
-                    job.decoder = self.target.tokenizer.stream_decoder()
+                    parser = self.reasoning if job.req.kind == "chat" else None
+                    job.split = ReplySplit(self.target.tokenizer, parser, job.req.prompt_ids)
                     job.stops = StopStrings(job.req.stop)
-                    if job.req.kind == "chat" and self.reasoning is not None:
-                        job.reasoning = self.reasoning.start(job.req.prompt_ids)
                 before = job.dec.prefilled
                 first = job.dec.prefill_step()
                 budget -= job.dec.prefilled - before
@@ -321,15 +319,11 @@ class Engine:
         parts, reasoning, pieces, finish = [], [], [], step.finish_reason
         for j, t in enumerate(step.token_ids):
             job.n_out += 1
-            stop_id = finish == "stop" and j == len(step.token_ids) - 1  # its text is not content
-            piece = "" if stop_id else job.decoder.feed([t])
-            if finish is not None and j == len(step.token_ids) - 1:
-                piece += job.decoder.flush()
+            last = j == len(step.token_ids) - 1
+            piece, r, content = job.split.feed(t, stop_id=finish == "stop" and last, last=finish is not None and last)
             pieces.append(piece)
-            if job.reasoning is not None:
-                r, piece = job.reasoning.feed(t, piece)
-                reasoning.append(r)
-            parts.append(job.stops.feed(piece))
+            reasoning.append(r)
+            parts.append(job.stops.feed(content))
             if job.stops.hit:
                 break
         if job.stops.hit:

@@ -9,7 +9,8 @@ errors that become OpenAI error bodies `{"error": {"message", "type", "param", "
 Read: model, messages (chat) / prompt (completions: a string, a list of token ids, or a list of
 either: each prompt is its own choice), max_completion_tokens > max_tokens, temperature
 (default 1, as OpenAI), top_p, top_k, seed, stop (a string or up to 16), stream,
-stream_options.include_usage, chat_template_kwargs (chat), logprobs (completions: top N,
+stream_options.include_usage, chat_template_kwargs (chat), reasoning_effort (chat: "low" |
+"medium" | "high", for a template that reads it, as gpt-oss's), logprobs (completions: top N,
 0..20; chat: a boolean, with top_logprobs N), echo (completions; with max_tokens 0 it scores
 the prompt only), the `block_size` extension (runtime Q of this request). n = 1 and zero
 penalties are accepted as the no-ops they are; any other field is a named 400
@@ -28,11 +29,13 @@ from ..decode.sampling import SamplingParams
 DEFAULT_MAX_TOKENS = 256  # when a request names no max_tokens (capped by the context left)
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; evaluators (lm-eval's `until` + eos) may send more, as vLLM accepts
 MAX_PROMPTS = 64  # prompts in one completions request (each its own choice)
+REASONING_EFFORTS = ("low", "medium", "high")  # what gpt-oss's template prints as "Reasoning: ..."
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                  "stream_options", "block_size", "n", "logprobs", "presence_penalty", "frequency_penalty",
                  "user"}
-FIELDS = {"chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"},
+FIELDS = {"chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs",
+                                    "reasoning_effort"},
           "completion": COMMON_FIELDS | {"prompt", "echo"}}
 
 
@@ -173,6 +176,15 @@ def chat_prompt(body: dict, tokenizer) -> tuple[list[int], bool]:
     if not isinstance(thinking, bool):
         raise BadRequest(f"chat_template_kwargs.enable_thinking must be a boolean, got {thinking!r}",
                          param="chat_template_kwargs", code="invalid_type")
+    effort = _typed(body, "reasoning_effort", str, "a string", None)
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise BadRequest(f"'reasoning_effort' must be one of {list(REASONING_EFFORTS)}, got {effort!r}",
+                             param="reasoning_effort", code="invalid_value")
+        if not tokenizer.takes("reasoning_effort"):
+            raise BadRequest("'reasoning_effort' is not supported by this model (its chat template does not read "
+                             "reasoning_effort)", param="reasoning_effort", code="unsupported_parameter")
+        kwargs.setdefault("reasoning_effort", effort)  # chat_template_kwargs.reasoning_effort, if given, wins
     text = tokenizer.apply_chat_template(messages, enable_thinking=thinking, **kwargs)
     return tokenizer.encode(text, add_special_tokens=False), thinking  # the template holds the specials
 

@@ -4,6 +4,9 @@
     p = parser.start(prompt_ids)                     # the state the rendered prompt leaves
     reasoning, content = p.feed(token_id, text)      # one generated token and its decoded text
 
+    split = ReplySplit(tokenizer, parser, prompt_ids)  # detokeniser + parser, for a chat reply
+    piece, reasoning, content = split.feed(token_id, stop_id=False, last=False)
+
 Two formats, recognised by their marker tokens in the vocabulary (one token each, so no marker
 is ever split across steps and nothing is held back):
 
@@ -12,8 +15,10 @@ is ever split across steps and nothing is held back):
   thinking block themselves) starts inside it; Qwen3's enable_thinking=false template closes an
   empty block in the prompt, so everything generated is content.
 - harmony (gpt-oss): messages `<|start|>{header}<|channel|>{name}<|message|>{body}<|end|>`;
-  the bodies of the `analysis` channel are reasoning, those of `final` (and `commentary`)
-  content; headers and markers are neither.
+  the bodies of the `analysis` channel are reasoning, those of `final` (and `commentary`, the
+  preambles gpt-oss writes to the user before a tool call) content; headers and markers are
+  neither. A reply is `analysis` message, `<|end|>`, `<|start|>assistant`, `final` message,
+  `<|return|>`: `<|end|>` is not a stop (tokenizer.py keeps it out of the stop set).
 
 The starting state is found by running the same machine over the prompt's ids (the template's
 generation prompt, e.g. harmony's `<|start|>assistant`, leaves it in a header).
@@ -21,8 +26,9 @@ generation prompt, e.g. harmony's `<|start|>assistant`, leaves it in a header).
 
 from __future__ import annotations
 
+from ..tokenizer import HARMONY_MARKERS as HARMONY
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 HARMONY_ENDS = ("<|return|>", "<|call|>")  # end a message like <|end|> (they are stop tokens too)
 REASONING_CHANNELS = {"analysis"}
 
@@ -98,10 +104,30 @@ def reasoning_parser(tokenizer):
     """The thinking format this tokenizer's vocabulary has marker tokens for, or None."""
     tid = tokenizer.token_to_id
     harmony = {m: tid(m) for m in HARMONY + HARMONY_ENDS}
-    if all(harmony[m] is not None for m in HARMONY):
+    if tokenizer.harmony:
         ids = {m: i for m, i in harmony.items() if i is not None}
         return Harmony(ids, lambda t: tokenizer.decode([t]))
     o, c = tid(THINK_OPEN), tid(THINK_CLOSE)
     if o is not None and c is not None:
         return ThinkTags(o, c)
     return None
+
+
+class ReplySplit:
+    """A chat reply's ids -> text, token by token, split into (reasoning, content) by the
+    tokenizer's thinking format (`parser` None: all content). `feed` returns the token's
+    decoded piece too (logprobs report it); a stop id's text is neither reasoning nor content;
+    `last` flushes characters the detokeniser still holds."""
+
+    def __init__(self, tokenizer, parser, prompt_ids):
+        self.decoder = tokenizer.stream_decoder()
+        self.parser = parser.start(prompt_ids) if parser is not None else None
+
+    def feed(self, token_id: int, stop_id: bool = False, last: bool = False) -> tuple[str, str, str]:
+        piece = "" if stop_id else self.decoder.feed([token_id])
+        if last:
+            piece += self.decoder.flush()
+        if self.parser is None:
+            return piece, "", piece
+        reasoning, content = self.parser.feed(token_id, piece)
+        return piece, reasoning, content
