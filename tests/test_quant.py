@@ -131,6 +131,67 @@ def test_bf16_source_equals_its_f32_values():
         assert all(np.array_equal(x, y) for x, y in zip(a.panels, b.panels))
 
 
+
+# ---------------------------------------------------------------- the load-time packer (pack_nb.py)
+def test_fp16_bits_match_numpy_on_every_kind_of_f32():
+    """pack_nb.f16_bits (the scales' rounding) == numpy's astype(float16) on random bit patterns
+    (normals, subnormals, overflow, inf, NaN) and on the values next to each rounding boundary."""
+    from dflash2_numba.quant.pack_nb import f16_bits
+
+    @numba.njit
+    def convert(a):
+        out = np.empty(a.size, np.uint16)
+        for i in range(a.size):
+            out[i] = f16_bits(a[i])
+        return out
+
+    rng = np.random.default_rng(11)
+    v = rng.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.float32(2.0) ** np.arange(-27, 17, dtype=np.float32)  # exponents across the range
+    ulp = np.float32(2.0) ** np.float32(-11)  # half an fp16 ulp of 1.0: ties and their neighbours
+    near = np.concatenate([edges * m for m in (1 + ulp, 1 + 3 * ulp, np.nextafter(1 + ulp, 2, dtype=np.float32),
+                                               np.nextafter(1 + ulp, 0, dtype=np.float32), -1.5)]).astype(np.float32)
+    v = np.concatenate([v, near, np.float32([65504, 65519.99, 65520, 0.0, -0.0, 5.96e-8, 2.98e-8, 2.99e-8])])
+    with np.errstate(all="ignore"):
+        want = v.astype(np.float16).view(np.uint16)
+    got = convert(v)
+    nan = np.isnan(v)
+    assert np.array_equal(got[~nan], want[~nan])
+    assert np.all(np.isnan(got[nan].view(np.float16)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("unsigned", [False, True])
+def test_numba_packer_equals_numpy_quantizer_and_pack(fmt, unsigned):
+    """quantize_pack (the load path) == formats.pack(formats.QUANTIZERS[fmt](w)) byte for byte:
+    bf16 bits and f32, rows not a multiple of a work item, zero blocks, magnitude ties, .5 ties,
+    scales that are fp16 subnormals or overflow."""
+    from dflash2_numba.quant.pack_nb import quantize_pack
+
+    rng = np.random.default_rng(12)
+    for N, K, scale in ((1, 32, 1.0), (6, 96, 1.0), (130, 64, 1e-6), (200, 128, 1e-9), (40, 256, 3e4)):
+        w = _weights(rng, max(N, 3), K)[:N] * np.float32(scale) if N >= 3 else \
+            rng.standard_normal((N, K)).astype(np.float32)
+        if N >= 3:
+            w[2, 7] = w[2, 5]  # two elements of the same largest magnitude: the first one counts
+            w[2, 9] = -w[2, 5]
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+        for src in (w, bits):
+            want = F.pack(*F.QUANTIZERS[fmt](src), fmt, unsigned)
+            got = quantize_pack(src, fmt, unsigned)
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert np.array_equal(a, b), (N, K, scale, src.dtype)
+
+
+def test_quantize_weight_keeps_the_float16_path():
+    """f16 sources still go through the numpy quantizers; the panels equal the f32 route's."""
+    w = _weights(np.random.default_rng(13), 8, 64).astype(np.float16)
+    for fmt in FORMATS:
+        a, b = quantize_weight(w, fmt), quantize_weight(w.astype(np.float32), fmt)
+        assert all(np.array_equal(x, y) for x, y in zip(a.panels, b.panels))
+
+
 # ---------------------------------------------------------------- activations
 def test_activation_quantizer_matches_numpy():
     """The one numba activation quantizer == the numpy version, ties and fp16 subnormal scales

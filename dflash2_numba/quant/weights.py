@@ -22,10 +22,11 @@ from numba.extending import overload
 
 from ..errors import QuantizeError
 from ..kernels.panels import PANEL_COLS, _gemv_panels_ser, gemv_panels
-from . import formats
+from . import formats, pack_nb
 from .kernels_int8 import VNNI, _gemv_quant_ser, gemv_quant, quantize_rows
 
-CHUNK_ELEMS = 1 << 20  # weights quantized per numpy pass (~30 MB of transient numpy scratch: peak RSS)
+CHUNK_ELEMS = 1 << 20  # weights quantized per pass (f16 inputs: ~30 MB of numpy scratch; between passes
+# the source's quantized rows go back to the OS and the progress line moves)
 PROGRESS_MIN_ELEMS = 1 << 26  # tensors from this size on get a progress line
 
 
@@ -59,17 +60,28 @@ def quantize_weight(w: np.ndarray, fmt: str, name: str = "weight") -> QuantizedW
     if K % formats.BLOCK:
         raise QuantizeError(f"{name}: {fmt} needs input features (shape[1]) a multiple of "
                             f"{formats.BLOCK}, got shape {list(w.shape)}")
-    rows = max(1, CHUNK_ELEMS // K)
-    q = np.empty((N, K), np.int8)
-    d = np.empty((N, K // formats.BLOCK), np.float16)
+    if w.dtype not in (np.uint16, np.float32, np.float16):
+        raise QuantizeError(f"{name}: {fmt} quantizes bf16 / f16 / f32 weights, got dtype {w.dtype}")
     t0, loud = time.perf_counter(), w.size >= PROGRESS_MIN_ELEMS
-    for n0 in range(0, N, rows):
-        q[n0:n0 + rows], d[n0:n0 + rows] = formats.QUANTIZERS[fmt](w[n0:n0 + rows], name)
-        if loud:
-            print(f"\rquantizing {name} to {fmt}: {min(N, n0 + rows) * 100 // N}%", end="", file=sys.stderr)
+    if w.dtype == np.float16:  # numpy's reference quantizers (formats.py), in row chunks
+        rows = max(1, CHUNK_ELEMS // K)
+        q = np.empty((N, K), np.int8)
+        d = np.empty((N, K // formats.BLOCK), np.float16)
+        for n0 in range(0, N, rows):
+            q[n0:n0 + rows], d[n0:n0 + rows] = formats.QUANTIZERS[fmt](w[n0:n0 + rows], name)
+        panels = formats.pack(q, d, fmt, unsigned=VNNI)
+    else:  # bf16 bits / f32: straight into the panels (pack_nb.py), a chunk of panels at a time
+        panels = pack_nb.empty_panels(N, K, fmt)
+        NP = panels[0].shape[0]
+        step = max(1, CHUNK_ELEMS // (formats.PANEL_COLS * K))
+        for p0 in range(0, NP, step):
+            p1 = min(NP, p0 + step)
+            pack_nb.quantize_pack_range(w, fmt, VNNI, panels, p0, p1)
+            release_pages(w[p0 * formats.PANEL_COLS:p1 * formats.PANEL_COLS])  # a row range of the source
+            if loud:
+                print(f"\rquantizing {name} to {fmt}: {p1 * 100 // NP}%", end="", file=sys.stderr)
     if loud:
         print(f" ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    panels = formats.pack(q, d, fmt, unsigned=VNNI)
     release_pages(w)
     return QuantizedWeight(fmt, (N, K), panels)
 
