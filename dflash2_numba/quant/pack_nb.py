@@ -76,52 +76,75 @@ def _roundf(v):
     return np.trunc(x + 0.5) if x >= 0.0 else np.trunc(x - 0.5)
 
 
+@njit(inline="always")
+def _block_q4_0(w, n, k0, q):
+    """One 32-block of row n -> q[0:32] in -8..7; returns d (quantize_row_q4_0_ref)."""
+    amax, m = np.float32(0.0), np.float32(0.0)
+    for j in range(BLOCK):
+        x = _load(w, n, k0 + j)
+        if abs(x) > amax:  # strict: the first of equal magnitudes wins
+            amax, m = abs(x), x
+    d = m / np.float32(-8.0)
+    inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+    for j in range(BLOCK):
+        v = _load(w, n, k0 + j) * inv + np.float32(8.5)
+        q[j] = min(15, np.int32(np.trunc(v))) - 8
+    return d
+
+
+@njit(inline="always")
+def _block_q8_0(w, n, k0, q):
+    """One 32-block of row n -> q[0:32] in -127..127; returns d (quantize_row_q8_0_ref)."""
+    amax = np.float32(0.0)
+    for j in range(BLOCK):
+        amax = max(amax, abs(_load(w, n, k0 + j)))
+    d = amax / np.float32(127.0)
+    inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+    for j in range(BLOCK):
+        q[j] = np.int32(_roundf(_load(w, n, k0 + j) * inv))
+    return d
+
+
 @njit(cache=True, nogil=True)
-def _quantize_pack(w, q4, unsigned, p0, p1, qw, ws):
-    """Panels p0 .. p1-1 of w [N, K] -> qw [NP, K(/2), 32] (viewed flat per panel), ws [NP, nb, 32]."""
+def _pack_q4_0(w, p0, p1, qw, ws):
+    """Panels p0 .. p1-1 of w [N, K] -> qw [NP, K/2, 32] uint8, ws [NP, nb, 32] fp16 bits.
+    Block bytes [h < 4][column][j]: low nibble = q + 8 of k-quad h, high nibble of k-quad h + 4."""
     N, K = w.shape
-    nb = K // BLOCK
-    q = np.empty(BLOCK, np.int32)
+    q = np.zeros(BLOCK, np.int32)
     for p in range(p0, p1):
         flat = qw[p].reshape(-1)  # the panel's bytes
         for c in range(PANEL_COLS):
             n = p * PANEL_COLS + c
-            for b in range(nb):
-                k0 = b * BLOCK
-                d = np.float32(0.0)
-                if n < N:
-                    if q4:
-                        amax, m = np.float32(0.0), np.float32(0.0)
-                        for j in range(BLOCK):
-                            x = _load(w, n, k0 + j)
-                            if abs(x) > amax:  # strict: the first of equal magnitudes wins
-                                amax, m = abs(x), x
-                        d = m / np.float32(-8.0)
-                        inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
-                        for j in range(BLOCK):
-                            v = _load(w, n, k0 + j) * inv + np.float32(8.5)
-                            q[j] = min(15, np.int32(np.trunc(v))) - 8
-                    else:
-                        amax = np.float32(0.0)
-                        for j in range(BLOCK):
-                            amax = max(amax, abs(_load(w, n, k0 + j)))
-                        d = amax / np.float32(127.0)
-                        inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
-                        for j in range(BLOCK):
-                            q[j] = np.int32(_roundf(_load(w, n, k0 + j) * inv))
-                else:
+            for b in range(K // BLOCK):
+                d = _block_q4_0(w, n, b * BLOCK, q) if n < N else np.float32(0.0)
+                if n >= N:
                     q[:] = 0
                 ws[p, b, c] = f16_bits(d)
-                if q4:  # block bytes [h < 4][column][j]: low nibble k-quad h, high nibble k-quad h + 4
-                    for h in range(4):
-                        for j in range(4):
-                            lo, hi = q[4 * h + j] + 8, q[16 + 4 * h + j] + 8
-                            flat[b * 512 + h * 128 + c * 4 + j] = np.uint8(lo | (hi << 4))
-                else:  # bytes [k-quad][column][j]; the VNNI paths store q + 128
-                    for kq in range(8):
-                        for j in range(4):
-                            v = q[4 * kq + j] + (128 if unsigned else 0)
-                            flat[(b * 8 + kq) * 128 + c * 4 + j] = np.int8(np.uint8(v & 0xFF))
+                for h in range(4):
+                    for j in range(4):
+                        lo, hi = q[4 * h + j] + 8, q[16 + 4 * h + j] + 8
+                        flat[b * 512 + h * 128 + c * 4 + j] = np.uint8(lo | (hi << 4))
+
+
+@njit(cache=True, nogil=True)
+def _pack_q8_0(w, unsigned, p0, p1, qw, ws):
+    """Panels p0 .. p1-1 of w [N, K] -> qw [NP, K, 32] int8, ws [NP, nb, 32] fp16 bits. Bytes
+    [k-quad][column][j]; the VNNI paths (unsigned) store q + 128."""
+    N, K = w.shape
+    q = np.zeros(BLOCK, np.int32)
+    for p in range(p0, p1):
+        flat = qw[p].reshape(-1)
+        for c in range(PANEL_COLS):
+            n = p * PANEL_COLS + c
+            for b in range(K // BLOCK):
+                d = _block_q8_0(w, n, b * BLOCK, q) if n < N else np.float32(0.0)
+                if n >= N:
+                    q[:] = 0
+                ws[p, b, c] = f16_bits(d)
+                for kq in range(8):
+                    for j in range(4):
+                        v = q[4 * kq + j] + (128 if unsigned else 0)
+                        flat[(b * 8 + kq) * 128 + c * 4 + j] = np.int8(np.uint8(v & 0xFF))
 
 
 def panel_count(N: int) -> int:
@@ -139,7 +162,10 @@ def empty_panels(N: int, K: int, fmt: str) -> tuple[np.ndarray, np.ndarray]:
 def quantize_pack_range(w: np.ndarray, fmt: str, unsigned: bool, panels, p0: int, p1: int) -> None:
     """Fill panels p0 .. p1-1 of `panels` (empty_panels) from w [N, K] (uint16 bf16 bits or f32)."""
     qw, ws = panels
-    _quantize_pack(w, fmt == "q4_0", unsigned, p0, p1, qw, ws)
+    if fmt == "q4_0":
+        _pack_q4_0(w, p0, p1, qw, ws)
+    else:
+        _pack_q8_0(w, unsigned, p0, p1, qw, ws)
 
 
 def quantize_pack(w: np.ndarray, fmt: str, unsigned: bool) -> tuple[np.ndarray, np.ndarray]:
