@@ -299,6 +299,14 @@ _PATH_SCRIPT = textwrap.dedent("""
             assert np.array_equal(linear(x[r:r + 1], v)[0], arrays[k][r]), (k, r)
         for m in (2, 3, 5, 8):
             assert np.array_equal(linear(x[:m], v), arrays[k][:m]), (k, m)
+    from dflash2_numba.quant.mxfp4_gemv import gemv_mxfp4  # MXFP4 as stored, f32 activations
+    blocks = rng.integers(0, 256, (70, 3, 16), dtype=np.uint8)
+    scales = rng.integers(115, 135, (70, 3), dtype=np.uint8)
+    mx = lambda xx: gemv_mxfp4(xx, blocks, scales, np.zeros((len(xx), 70), np.float32), False)
+    arrays["mxfp4"] = mx(x)
+    for m in (1, 2, 3, 5, 8):
+        assert np.array_equal(mx(x[:m]), arrays["mxfp4"][:m]), ("mxfp4", m)
+    assert np.array_equal(mx(x[4:5])[0], arrays["mxfp4"][4])
     np.savez(sys.argv[1], **arrays)
     print(out["isa"])
 """)
@@ -314,7 +322,7 @@ def _run_path(path, tmp_path):
 
 
 def test_every_path_gives_the_same_bits(tmp_path):
-    """bf16 panels, q8_0 and q4_0 on each lower path (compiled for that instruction set) equal
+    """bf16 panels, q8_0, q4_0 and MXFP4 (quant/mxfp4_gemv.py) on each lower path (compiled for that instruction set) equal
     this host's path bit for bit, and on every path each row of a 9-row product equals that row
     alone (and 2, 3, 5, 8-row products their rows): the row-count invariance per path."""
     have = isa.selected()
