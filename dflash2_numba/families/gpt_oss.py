@@ -47,6 +47,7 @@ from .qwen3_moe import num_experts
 
 ARCHITECTURE, MODEL_TYPE = "GptOssForCausalLM", "gpt_oss"
 DEFAULT_THETA = 150000.0  # GptOssConfig.default_theta
+MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 16 bytes of nibbles + one E8M0 scale per block of 32
 
 
 # ---------------------------------------------------------------- config
@@ -138,20 +139,19 @@ def expected_gpt_oss_tensors(c: GptOssConfig) -> ExpectedTensors:
 
 
 def describe_gpt_oss(c: GptOssConfig) -> dict:
-    """inspect's family facts: total / active parameters and the bytes a token reads per format
-    (bf16 / q8_0 / q4_0 for every matrix, and "as stored": MXFP4 experts at 4.25 bits)."""
+    """inspect's family facts: total / active parameters and the bytes one decoded token reads,
+    per --quantize format (models/moe.moe_facts) and as stored (MXFP4 experts at 4.25 bits per
+    weight, 17 bytes a block of 32; the rest as the bf16 path holds it)."""
     inv = expected_gpt_oss_tensors(c)
-    per_expert = ExpectedTensors({n: s for n, s in inv.items()}, inv.optional)
-    for _, (mx, _dense) in inv.layouts:
-        per_expert.update({n.replace("_blocks", ""): s for n, s in mx.items()})
-    facts = moe_facts(per_expert, c.num_local_experts, c.num_experts_per_tok, c.tie_word_embeddings)
-    E, k = c.num_local_experts, c.num_experts_per_tok
-    expert_w = sum(np.prod(s) for n, s in per_expert.items() if n.endswith(("gate_up_proj", "down_proj")))
-    bf16_read = facts["bytes_read_per_token"]["bf16"]
-    facts["bytes_read_per_token"]["mxfp4 (as stored)"] = int(bf16_read - expert_w * k / E * (2 - 4.25 / 8))
-    facts["resident_bytes_mxfp4"] = int(sum(np.prod(s) * 2 for n, s in per_expert.items()) - expert_w * (2 - 4.25 / 8))
+    dense = ExpectedTensors(dict(inv), inv.optional)  # the experts under their dense names, out-major
+    for _, (mx, _bf16) in inv.layouts:
+        dense.update({n.replace("_blocks", ""): s for n, s in mx.items()})
+    facts = moe_facts(dense, c.num_local_experts, c.num_experts_per_tok, c.tie_word_embeddings)
+    active_expert_weights = sum(np.prod(s) for n, s in dense.items() if n.endswith(("_proj", "down_proj"))
+                                and ".experts." in n) * c.num_experts_per_tok / c.num_local_experts
+    read = facts["bytes_read_per_token"]
+    read["mxfp4 (as stored)"] = int(read["bf16"] - active_expert_weights * (2 - MXFP4_BYTES_PER_WEIGHT))
     lines = moe_summary_lines(facts)
-    lines.append(f"MXFP4 experts as stored: resident ~{facts['resident_bytes_mxfp4'] / 2**30:.2f} GiB")
     return {**facts, "summary_lines": lines}
 
 

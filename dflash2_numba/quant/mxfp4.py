@@ -67,7 +67,7 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     e = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, -127).astype(np.int32)
     e = np.clip(e, -127, 127)
     y = x / np.ldexp(np.float32(1.0), e)[..., None]  # in units of the block scale
-    codes = np.abs(y[..., None] - E2M1[None, :8]).argmin(axis=-1).astype(np.uint8)  # nearest magnitude
+    codes = np.abs(np.abs(y)[..., None] - E2M1[None, :8]).argmin(axis=-1).astype(np.uint8)  # nearest magnitude
     codes |= np.where(y < 0, 8, 0).astype(np.uint8)
     pairs = codes.reshape(*lead, N, K // BLOCK, 16, 2)
     blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
