@@ -351,3 +351,52 @@ def test_inspect_reports_resident_and_active_bytes(models):
     assert abs(report["bytes_read_per_token"]["mxfp4 (as stored)"] / read - 1) < 1e-6, (report["bytes_read_per_token"], read)
     text = format_inspect(report)
     assert "mixture of experts: 8 experts, 2 per token" in text and "mxfp4 (as stored)" in text
+
+
+# ---------------------------------------------------------------- the published draft
+def test_published_draft_config_resolves():
+    """z-lab/gpt-oss-20b-DFlash's config.json as published: block_size at the top level,
+    mask_token_id / taps nested, attention_bias, model_type gpt_oss and no RoPE object (so
+    transformers' GptOssConfig supplies YaRN: the inverse frequencies must be its own)."""
+    from draft_reference import hf_yarn
+
+    from dflash2_numba.config import check_pairing, resolve_draft_config
+    from dflash2_numba.inventory import expected_draft_tensors
+
+    raw = json.loads((DATA / "gpt-oss-20b-dflash.config.json").read_text())
+    target = resolve_gpt_oss_config(json.loads((DATA / "gpt-oss-20b.config.json").read_text()))
+    c = resolve_draft_config(raw, target)
+    assert (c.kind, c.block_size, c.mask_token_id, c.target_layer_ids) == ("dflash", 8, 200000, [1, 6, 11, 16, 21])
+    assert c.attention_bias and (c.hidden_size, c.num_hidden_layers, c.head_dim) == (2880, 8, 64)
+    check_pairing(c, target)
+    inv, att = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+    want_inv, want_att = hf_yarn(raw)
+    np.testing.assert_allclose(inv, want_inv, rtol=1e-6)
+    assert abs(att - want_att) < 1e-12
+    assert "layers.7.self_attn.o_proj.bias" in expected_draft_tensors(c, target.vocab_size)
+
+
+def test_published_draft_layout_loads_and_is_lossless(models, tmp_path):
+    """A tiny draft spelled like the published one (the keys above, no RoPE object) loads
+    unchanged, matches the float64 reference and keeps speculation lossless."""
+    from draft_reference import DraftReference
+
+    d, _ = models["mxfp4"]
+    draft_dir = _draft_with_bias_and_yarn(d, tmp_path / "published", "dflash")
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling"):
+        cfg.pop(key, None)
+    cfg["block_size"] = cfg["dflash_config"].pop("block_size")
+    cfg.update(model_type="gpt_oss", attention_bias=True, rope_theta=150000)
+    (draft_dir / "config.json").write_text(json.dumps(cfg))
+    target = dn.load_target(d)
+    draft = dn.load_draft(draft_dir, target)
+    assert draft.config.rope_scaling.factor == 32.0 and draft.config.rope_scaling.truncate is False
+    ids = _prompt(20, seed=4)
+    _, taps = target.forward(ids[:19], target.new_cache(64), tap_layers=draft.target_layer_ids)
+    state = draft.new_state(64)
+    draft.extend_context(state, taps, 0, ids[:19])
+    got = draft.block_forward([state], [int(ids[19])], [19], 8)
+    want, _ = DraftReference(d, draft_dir).forward(taps, int(ids[19]), 8)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    assert_speculation_lossless(target, draft, qs=(2, 8))
