@@ -147,12 +147,11 @@ def describe_gpt_oss(c: GptOssConfig) -> dict:
     for _, (mx, _bf16) in inv.layouts:
         dense.update({n.replace("_blocks", ""): s for n, s in mx.items()})
     facts = moe_facts(dense, c.num_local_experts, c.num_experts_per_tok, c.tie_word_embeddings)
-    active_expert_weights = sum(np.prod(s) for n, s in dense.items() if n.endswith(("_proj", "down_proj"))
-                                and ".experts." in n) * c.num_experts_per_tok / c.num_local_experts
+    active_expert_weights = sum(np.prod(s) for n, s in dense.items() if ".experts." in n and n.endswith("_proj")
+                                ) * c.num_experts_per_tok / c.num_local_experts  # [E, out, in] matrices, k of E
     read = facts["bytes_read_per_token"]
     read["mxfp4 (as stored)"] = int(read["bf16"] - active_expert_weights * (2 - MXFP4_BYTES_PER_WEIGHT))
-    lines = moe_summary_lines(facts)
-    return {**facts, "summary_lines": lines}
+    return {**facts, "summary_lines": moe_summary_lines(facts)}
 
 
 # ---------------------------------------------------------------- the expert block
