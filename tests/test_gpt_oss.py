@@ -17,7 +17,7 @@ import pytest
 
 from gpt_oss_fixtures import build_gpt_oss, load_hf, to_mxfp4_layout, torch
 from moe_fixtures import hf_greedy, hf_logits
-from test_moe import assert_speculation_lossless, speculative_sampling_pvalue
+from test_moe import _prompt, _run_blocks, assert_speculation_lossless, speculative_sampling_pvalue
 
 import dflash2_numba as dn
 from dflash2_numba import tiny
@@ -36,19 +36,6 @@ def models(tmp_path_factory):
     d = build_gpt_oss(tmp_path_factory.mktemp("gpt-oss-f32"))
     m = to_mxfp4_layout(d, tmp_path_factory.mktemp("gpt-oss-mxfp4"))
     return {"f32": (d, load_hf(d)), "mxfp4": (m, load_hf(m))}
-
-
-def _prompt(n=30, seed=0):
-    return np.random.default_rng(seed).integers(0, 250, n)
-
-
-def _run_blocks(target, ids, cuts=(20, 21, 25, 30)):
-    """Prefill ids[:cuts[0]], then a one-row decode and a 4-row and 5-row verify: every position's logits."""
-    cache, outs, a = target.new_cache(8), [], 0
-    for b in cuts:
-        outs.append(target.forward(ids[a:b], cache)[0])
-        a = b
-    return np.concatenate(outs)
 
 
 # ---------------------------------------------------------------- the model against transformers

@@ -42,6 +42,7 @@ from ..kernels.routing import route_topk_softmax
 from ..models.moe import moe_facts, moe_summary_lines, sigmoid
 from ..models.rope import GPT_OSS_YARN, RopeScaling, resolve_rope_scaling
 from ..numerics import as_f32
+from ..quant.weights import release_pages
 from .qwen3 import TargetConfig, TargetModel, _layer_types
 from .qwen3_moe import num_experts
 
@@ -193,6 +194,9 @@ class GptOssModel(TargetModel):
             raise GenerationArgumentError(f"gpt-oss runs on the CPU device only (got {ops.device!r}): "
                                           "the attention sinks have no kernel elsewhere")
         super().__init__(config, checkpoint, ops, dtype)
+        for name in checkpoint.tensors:  # copied at load (panels, f32, quantized): the file's pages go back;
+            if name not in checkpoint.stored:  # the MXFP4 experts are computed on in place and stay mapped
+                release_pages(checkpoint.get(name))
 
     def _load_mlp(self, i: int, p: str) -> dict:
         """Layer i's gpt-oss tensors besides q/k/v/o and the norms (p = 'model.layers.{i}.mlp.'):
