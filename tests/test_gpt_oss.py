@@ -387,3 +387,14 @@ def test_published_draft_layout_loads_and_is_lossless(models, tmp_path):
     want, _ = DraftReference(d, draft_dir).forward(taps, int(ids[19]), 8)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
     assert_speculation_lossless(target, draft, qs=(2, 8))
+
+
+def test_mxfp4_module_listed_as_not_converted_refused(models, tmp_path):
+    src = models["mxfp4"][0]
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"].append("model.layers.*.mlp.experts")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StoredFormatError, match=r"module 'model\.layers\.0\.mlp\.experts' is in .*modules_to_not_convert"):
+        dn.load_target(tmp_path)
