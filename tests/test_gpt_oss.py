@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from gpt_oss_fixtures import build_gpt_oss, load_hf, to_mxfp4_layout, torch
-from moe_fixtures import hf_greedy, hf_logits
-from test_moe import _prompt, _run_blocks, assert_speculation_lossless, speculative_sampling_pvalue
+from moe_fixtures import hf_logits
+from test_moe import (_prompt, assert_greedy_matches_hf, assert_logits_match, assert_speculation_lossless,
+                      speculative_sampling_pvalue)
 
 import dflash2_numba as dn
 from dflash2_numba import tiny
@@ -27,7 +28,6 @@ from dflash2_numba.kernels.routing import route_topk_softmax, route_topk_softmax
 from dflash2_numba.models.rope import resolve_rope_scaling, rope_frequencies
 from dflash2_numba.quant import mxfp4
 
-F32_TOL = 1e-4
 DATA = Path(__file__).parent / "data"
 
 
@@ -43,32 +43,21 @@ def models(tmp_path_factory):
 def test_logits_match_hf_every_position(models, case):
     """30 positions (> sliding_window 8, > YaRN's original 16), cut into prefill / decode / verify."""
     d, hf = models[case]
-    ids = _prompt()
-    ref = hf_logits(hf, ids)  # [T, V]
     target = dn.load_target(d)
     assert isinstance(target, GptOssModel)
-    ours = _run_blocks(target, ids)
-    rel = np.abs(ours - ref).max() / np.abs(ref).max()
-    print(f"{case}: max rel diff {rel:.2e}")
-    assert rel <= F32_TOL
+    assert_logits_match(target, hf, _prompt(), case)
 
 
 def test_long_prefill_matches_hf(models):
     """A 40-row prefill (> 32 rows: BLAS products for the dense weights) is the same model."""
     d, hf = models["mxfp4"]
-    ids = _prompt(44, seed=3)
-    ours = _run_blocks(dn.load_target(d), ids, cuts=(40, 44))
-    ref = hf_logits(hf, ids)
-    assert np.abs(ours - ref).max() / np.abs(ref).max() <= F32_TOL
+    assert_logits_match(dn.load_target(d), hf, _prompt(44, seed=3), "long prefill", cuts=(40, 44))
 
 
 @pytest.mark.parametrize("case", ["f32", "mxfp4"])
 def test_greedy_identical_to_hf(models, case):
     d, hf = models[case]
-    prompt = [int(x) for x in _prompt(12, seed=5)]
-    want = hf_greedy(hf, prompt, 16)
-    got = dn.generate(dn.load_target(d), None, prompt_ids=prompt, max_new_tokens=16).output_ids
-    assert got == want, (got, want)
+    assert_greedy_matches_hf(dn.load_target(d), hf)
 
 
 def test_the_clamp_fires(models):
