@@ -49,18 +49,40 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 def write_sparse(out: Path, shards: int = 16, seed: int = 0) -> Path:
     """The sparse checkpoint (module docstring); returns its directory. Skips when complete."""
-    from dflash2_numba import tiny
     from dflash2_numba.families.qwen3_moe import expected_qwen3_moe_tensors, resolve_qwen3_moe_config
 
     raw = json.loads(CONFIG.read_text())
     cfg = resolve_qwen3_moe_config(raw, str(CONFIG))
+    shapes = dict(expected_qwen3_moe_tensors(cfg).pick([]))  # the Hub's per-expert spelling
+    tensors = {n: ("BF16", s) for n, s in shapes.items() if not n.endswith("rotary_emb.inv_freq")}
+
+    def fill(name, shape, rng):
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return _bf16(rng.standard_normal(shape, np.float32) * 0.5)
+        if name.endswith("mlp.gate.weight"):  # routers: 8 of 128 experts, different per token
+            return _bf16(rng.standard_normal(shape, np.float32))
+        if len(shape) == 1:  # norms
+            return np.full(shape, 0x3F80, np.uint16)  # bf16 1.0
+        return None
+
+    return write_sparse_checkpoint(out, raw, tensors, fill, shards, seed)
+
+
+DTYPE_BYTES = {"BF16": 2, "U8": 1}
+
+
+def write_sparse_checkpoint(out: Path, raw: dict, tensors: dict, fill, shards: int, seed: int = 0) -> Path:
+    """A sharded safetensors checkpoint of `tensors` {name: (dtype, shape)} (layer order, about
+    equal shards, model.safetensors.index.json) whose tensors are holes (zeros) unless
+    `fill(name, shape, rng)` returns their data; config.json = raw, a tiny tokenizer beside it.
+    Skips when a complete one is there (DONE)."""
+    from dflash2_numba import tiny
+
     if (out / "model.safetensors.index.json").exists() and (out / "DONE").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    shapes = dict(expected_qwen3_moe_tensors(cfg).pick([]))  # the Hub's per-expert spelling
-    shapes = {n: s for n, s in shapes.items() if not n.endswith("rotary_emb.inv_freq")}
-    names = sorted(shapes, key=lambda n: (int(n.split(".")[2]) if n.startswith("model.layers.") else -1, n))
-    sizes = {n: 2 * int(np.prod(shapes[n])) for n in names}
+    names = sorted(tensors, key=lambda n: (int(n.split(".")[2]) if n.startswith("model.layers.") else -1, n))
+    sizes = {n: DTYPE_BYTES[tensors[n][0]] * int(np.prod(tensors[n][1])) for n in names}
     total, per = sum(sizes.values()), sum(sizes.values()) / shards
     groups, acc = [[]], 0
     for n in names:
@@ -74,7 +96,8 @@ def write_sparse(out: Path, shards: int = 16, seed: int = 0) -> Path:
         fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for n in group:
-            header[n] = {"dtype": "BF16", "shape": list(shapes[n]), "data_offsets": [offset, offset + sizes[n]]}
+            header[n] = {"dtype": tensors[n][0], "shape": list(tensors[n][1]),
+                         "data_offsets": [offset, offset + sizes[n]]}
             offset += sizes[n]
             weight_map[n] = fname
         head = json.dumps(header, separators=(",", ":")).encode()
@@ -85,16 +108,10 @@ def write_sparse(out: Path, shards: int = 16, seed: int = 0) -> Path:
             f.write(head)
             f.truncate(base + offset)  # holes: every tensor reads as zeros
             for n in group:
-                shape, begin = shapes[n], base + header[n]["data_offsets"][0]
-                if n.endswith(("embed_tokens.weight", "lm_head.weight")):
-                    data = _bf16(rng.standard_normal(shape, np.float32) * 0.5)
-                elif n.endswith("mlp.gate.weight"):  # routers: 8 of 128 experts, different per token
-                    data = _bf16(rng.standard_normal(shape, np.float32))
-                elif len(shape) == 1:  # norms
-                    data = np.full(shape, 0x3F80, np.uint16)  # bf16 1.0
-                else:
+                data = fill(n, tuple(tensors[n][1]), rng)
+                if data is None:
                     continue
-                f.seek(begin)
+                f.seek(base + header[n]["data_offsets"][0])
                 f.write(np.ascontiguousarray(data).tobytes())
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
@@ -115,7 +132,7 @@ from dflash2_numba.kernels.backend import set_threads
 set_threads(max(threads))
 import dflash2_numba as dn
 t0 = time.perf_counter()
-target = dn.load_target(path, quantize=None if fmt == "bf16" else fmt)
+target = dn.load_target(path, quantize=None if fmt in ("bf16", "stored") else fmt)
 load_s = time.perf_counter() - t0
 rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 cache = target.new_cache(64 + rounds * len(threads) * (n_tokens + 1))
@@ -164,26 +181,34 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     out = args.out or HERE / "results" / f"moe_scale_{args.quantize}.json"
-    threads = [int(x) for x in args.threads.split(",")]
 
     t = time.perf_counter()
     model = write_sparse(args.dir)
     write_s = time.perf_counter() - t
+    from dflash2_numba.families.qwen3_moe import describe_qwen3_moe, resolve_qwen3_moe_config
+
+    facts = describe_qwen3_moe(resolve_qwen3_moe_config(json.loads(CONFIG.read_text())))
+    measure(model, args.quantize, args.quantize, facts, CONFIG, args, out, write_s)
+
+
+def measure(model: Path, load_format: str, read_format: str, facts: dict, config: Path, args, out: Path,
+            write_s: float) -> dict:
+    """Load + decode in a fresh process (CHILD), the bandwidth probes, the JSON record: the
+    bytes a token reads are facts["bytes_read_per_token"][read_format]."""
+    threads = [int(x) for x in args.threads.split(",")]
     du = subprocess.run(["du", "-sb", "--apparent-size", str(model)], capture_output=True, text=True).stdout.split()[0]
     disk = subprocess.run(["du", "-sb", str(model)], capture_output=True, text=True).stdout.split()[0]
     env = dict(os.environ, NUMBA_NUM_THREADS=str(max(threads)))
-    r = subprocess.run([sys.executable, "-c", CHILD, str(model), args.quantize, str(args.tokens), args.threads,
+    r = subprocess.run([sys.executable, "-c", CHILD, str(model), load_format, str(args.tokens), args.threads,
                         str(args.rounds), str(args.bw_gib)], capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode:
         sys.exit(f"child failed:\n{r.stderr[-4000:]}")
     child = json.loads(r.stdout.strip().splitlines()[-1])
     sys.path.insert(0, str(HERE))
     from acceptance import cpu_model
-    from dflash2_numba.families.qwen3_moe import describe_qwen3_moe, resolve_qwen3_moe_config
     from dflash2_numba.kernels import isa
 
-    facts = describe_qwen3_moe(resolve_qwen3_moe_config(json.loads(CONFIG.read_text())))
-    bytes_tok = facts["bytes_read_per_token"][args.quantize]
+    bytes_tok = facts["bytes_read_per_token"][read_format]
     per_threads = {}
     for tc, rec in child["threads"].items():
         step, bw = float(np.median(rec["step_s"])), float(np.median(rec["bandwidth_gbs"]))
@@ -194,21 +219,22 @@ def main(argv=None):
         "machine": {"cpu": cpu_model(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "isa_path": isa.selected()},
         "checkpoint": {"dir": "OUT (sparse)", "apparent_bytes": int(du), "disk_bytes": int(disk), "write_s": write_s,
-                       "config": str(CONFIG.relative_to(ROOT))},
-        "format": args.quantize, "load_s": child["load_s"], "peak_rss_gib": child["peak_rss_gib"],
+                       "config": str(config.relative_to(ROOT))},
+        "format": read_format, "load_s": child["load_s"], "peak_rss_gib": child["peak_rss_gib"],
         "peak_rss_gib_after_load": child["peak_rss_gib_after_load"], "bytes_read_per_token": bytes_tok,
         "numpy_read_gbs": child["numpy_read_gbs"], "threads": per_threads,
         "total_parameters": facts["total_parameters"], "active_parameters_per_token": facts["active_parameters_per_token"],
         "tokens": child["tokens"],
     }
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{args.quantize}, {result['machine']['cpu']} ({isa.selected()}): load {child['load_s']:.0f} s, "
+    print(f"{read_format}, {result['machine']['cpu']} ({isa.selected()}): load {child['load_s']:.0f} s, "
           f"peak RSS {child['peak_rss_gib']:.2f} GiB; {bytes_tok / 1e9:.2f} GB read per token")
     for tc, p in per_threads.items():
         print(f"  {tc} thread(s): {p['tokens_per_s']:.2f} tok/s = {p['weight_gbs']:.1f} GB/s = "
               f"{p['fraction_of_bandwidth']:.2f} of bench/bandwidth.py's {p['bandwidth_gbs_median']:.1f} GB/s, "
               f"{p['fraction_of_numpy_read']:.2f} of a plain numpy read ({child['numpy_read_gbs']:.1f} GB/s); "
               f"load avg {np.median(p['load_avg']):.1f}")
+    return result
 
 
 if __name__ == "__main__":

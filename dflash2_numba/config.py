@@ -168,6 +168,8 @@ class DraftConfig(DecoderDims):
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None  # None = disabled
     source: str = "config.json"
+    attention_bias: bool = False  # q/k/v/o biases (z-lab/gpt-oss-20b-DFlash)
+    rope_scaling: object = None  # models/rope.RopeScaling (YaRN) or None = plain RoPE
 
     @property
     def n_taps(self) -> int:
@@ -228,7 +230,7 @@ def resolve_draft_config(raw: dict, target=None, source: str = "config.json") ->
                 f"{source}: {key} = {sink!r} is refused (expected false or absent): this decoder has "
                 "no attention-sink path and would compute a different attention"
             )
-    refuse_rope_scaling(raw, source)
+    rope_scaling = _draft_rope_scaling(raw, source)
 
     def nested_or_top(name: str):  # dflash_config.<name> wins over the top-level key
         return _first((f"dflash_config.{name}", dc.get(name)), (name, raw.get(name)))
@@ -321,8 +323,25 @@ def resolve_draft_config(raw: dict, target=None, source: str = "config.json") ->
         output_multiplier=scalar("output_multiplier", 1.0),
         final_logit_softcapping=cap,
         source=source,
+        attention_bias=get_bool(raw, "attention_bias", source, default=False),
+        rope_scaling=rope_scaling,
         **v2,
     )
+
+
+def _draft_rope_scaling(raw: dict, source: str):
+    """The draft's RoPE (models/rope.py): plain, or YaRN from rope_parameters / rope_scaling. A
+    draft whose model_type is gpt_oss and that names no RoPE object gets what transformers'
+    GptOssConfig fills in (YaRN factor 32 over 4096 positions, truncate false): its config
+    class is the one AutoConfig builds for it."""
+    from .models.rope import GPT_OSS_YARN, resolve_rope_scaling
+
+    if raw.get("architectures") == [MUSE_ASSISTANT]:
+        refuse_rope_scaling(raw, source)
+        return None
+    default = GPT_OSS_YARN if raw.get("model_type") == "gpt_oss" else None
+    max_pos = get_int(raw, "max_position_embeddings", source, default=131072 if default else 32768, minimum=1)
+    return resolve_rope_scaling(raw, source, max_pos, default=default)
 
 
 def _muse_assistant_rules(raw: dict, layer_window: list, source: str):

@@ -8,6 +8,7 @@ inventory, parameter count and bytes, sha256 of every file that defines the mode
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def stored_summary(ckpt) -> dict:
     for name, e in sorted(ckpt.stored.items()):
         g = out.setdefault(e.format, {"tensors": 0, "parameters": 0, "resident_bytes": 0})
         g["tensors"] += 1
-        g["parameters"] += e.shape[0] * e.shape[1]
+        g["parameters"] += math.prod(e.shape)  # [out, in], or [E, out, in] (MXFP4 experts)
         g["resident_bytes"] += e.resident
     return out
 

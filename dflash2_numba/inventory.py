@@ -73,6 +73,9 @@ def expected_draft_tensors(cfg: DraftConfig, vocab_size: int, include_selector: 
             p + "mlp.up_proj.weight": (I, H),
             p + "mlp.down_proj.weight": (H, I),
         }
+        if cfg.attention_bias:  # z-lab/gpt-oss-20b-DFlash
+            shapes |= {p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
+                       p + "self_attn.v_proj.bias": (kv_rows,), p + "self_attn.o_proj.bias": (H,)}
         if cfg.kind == "dflash2":
             taps, G = cfg.conv_kernel_size, cfg.conv_groups
             for conv in ("attention_conv", "mlp_conv"):

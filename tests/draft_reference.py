@@ -34,12 +34,15 @@ def rms(x, w, eps):
     return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-def rope(x, pos, theta):
-    """x [n, heads, hd] rotated (NeoX rotate-half) to positions pos [n]."""
+def rope(x, pos, theta, yarn=None):
+    """x [n, heads, hd] rotated (NeoX rotate-half) to positions pos [n]; yarn = (inv_freq [hd/2],
+    attention factor) from transformers' own YaRN code (`hf_yarn`), else plain RoPE."""
     hd = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)  # [hd/2]
+    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd) if yarn is None else yarn[0]  # [hd/2]
     ang = np.asarray(pos, np.float64)[:, None] * inv_freq[None]  # [n, hd/2]
     cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    if yarn is not None:
+        cos, sin = cos * yarn[1], sin * yarn[1]
     half = hd // 2
     rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
     return x * cos[:, None] + rot * sin[:, None]
@@ -60,6 +63,21 @@ def conv_reference(x, delta, base, S, Q):
                     acc += coef[t] * x[n - t, c]
             out[n, c] = acc
     return out
+
+
+def hf_yarn(config: dict):
+    """(inv_freq [hd/2] f64, attention factor) of a draft config with YaRN, by transformers'
+    `_compute_yarn_parameters` on the config class AutoConfig would build (GptOssConfig for
+    model_type gpt_oss, whose defaults supply YaRN); None for plain RoPE."""
+    from transformers import GptOssConfig, Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cls = GptOssConfig if config.get("model_type") == "gpt_oss" else Qwen3Config
+    cfg = cls.from_dict({k: v for k, v in config.items() if k != "architectures"})
+    if cfg.rope_parameters.get("rope_type", "default") == "default":
+        return None
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    return inv_freq.double().numpy(), float(factor)
 
 
 class DraftReference:
@@ -86,6 +104,12 @@ class DraftReference:
         self.taps = nested.get("conv_kernel_size")
         self.embed = self.T["model.embed_tokens.weight"]  # [V, H]
         self.head = self.T.get("lm_head.weight", self.embed)  # [V, H]
+        self.yarn = hf_yarn(dc)
+
+    def proj(self, x, i, name):
+        """x @ W.T (+ the bias when the draft has attention_bias)."""
+        P = f"layers.{i}.self_attn.{name}_proj."
+        return x @ self.W[P + "weight"].T + self.W.get(P + "bias", 0.0)
 
     def visible(self, q_pos, k_pos, layer):
         d = q_pos[:, None] - k_pos[None, :]  # [Q, T]
@@ -116,10 +140,10 @@ class DraftReference:
             if self.v2:
                 a, d_att = self.prepare(i, "attention_conv", a, Q)
             kv_in = np.concatenate([ctx, a])  # [p+Q, H]: context rows skip input_layernorm
-            q = rms((a @ W[P + "self_attn.q_proj.weight"].T).reshape(Q, nh, hd), W[P + "self_attn.q_norm.weight"], self.eps)
-            k = rms((kv_in @ W[P + "self_attn.k_proj.weight"].T).reshape(p + Q, nkv, hd), W[P + "self_attn.k_norm.weight"], self.eps)
-            v = (kv_in @ W[P + "self_attn.v_proj.weight"].T).reshape(p + Q, nkv, hd)
-            q, k = rope(q, q_pos, self.theta), rope(k, k_pos, self.theta)
+            q = rms(self.proj(a, i, "q").reshape(Q, nh, hd), W[P + "self_attn.q_norm.weight"], self.eps)
+            k = rms(self.proj(kv_in, i, "k").reshape(p + Q, nkv, hd), W[P + "self_attn.k_norm.weight"], self.eps)
+            v = self.proj(kv_in, i, "v").reshape(p + Q, nkv, hd)
+            q, k = rope(q, q_pos, self.theta, self.yarn), rope(k, k_pos, self.theta, self.yarn)
             vis = self.visible(q_pos, k_pos, i)  # [Q, p+Q]
             o = np.zeros((Q, nh, hd))
             for head in range(nh):
@@ -128,7 +152,7 @@ class DraftReference:
                 s = np.where(vis, s, -np.inf)
                 e = np.exp(s - s.max(-1, keepdims=True))
                 o[:, head] = (e / e.sum(-1, keepdims=True)) @ v[:, kvh]
-            o = o.reshape(Q, nh * hd) @ W[P + "self_attn.o_proj.weight"].T  # [Q, H]
+            o = self.proj(o.reshape(Q, nh * hd), i, "o")  # [Q, H]
             if self.v2:
                 o = self.finish(i, "attention_conv", o, d_att, Q)
             h = h + o

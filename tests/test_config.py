@@ -195,10 +195,15 @@ def test_rope_theta_default_and_nested():
     assert resolve_draft_config({**raw, "rope_parameters": {"rope_theta": 3.0}}).rope_theta == 3.0
 
 
-def test_rope_scaling_refused():
-    raw = v1_flat(rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(UnsupportedConfigError, match=r"rope_scaling.rope_type = 'yarn'"):
+def test_rope_scaling_refused_unless_yarn():
+    """Drafts implement plain RoPE and YaRN (models/rope.py); every other rope_type is refused."""
+    raw = v1_flat(rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(UnsupportedConfigError, match=r"rope_scaling.rope_type = 'longrope'"):
         resolve_draft_config(raw)
+    yarn = resolve_draft_config(v1_flat(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 1024}))
+    assert yarn.rope_scaling.factor == 4.0 and yarn.rope_scaling.truncate is True
+    assert resolve_draft_config(v1_flat()).rope_scaling is None
 
 
 @pytest.mark.parametrize(

@@ -64,38 +64,44 @@ def _run_blocks(target, ids, cuts=(20, 21, 25, 30)):
     return np.concatenate(outs)
 
 
+def assert_logits_match(target, hf, ids, label: str = "", cuts=(20, 21, 25, 30)) -> None:
+    """`_run_blocks` of ids against transformers' logits of the whole sequence: max |diff| <=
+    F32_TOL of max |logit| at every position."""
+    ref = hf_logits(hf, ids)  # [T, V]
+    rel = np.abs(_run_blocks(target, ids, cuts) - ref).max() / np.abs(ref).max()
+    print(f"{label}: max rel diff {rel:.2e}")
+    assert rel <= F32_TOL, (label, rel)
+
+
 @pytest.mark.parametrize("case", ["norm", "no-norm", "top4", "norm-fused-layout"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_logits_match_hf(models, case, fused):
     d, hf = models[case]
-    ids = _prompt()
-    ref = hf_logits(hf, ids)  # [T, V]
     target = dn.load_target(d)
     assert isinstance(target, Qwen3MoeModel) and target._fused_layers is not None
     target.fused = fused
-    ours = _run_blocks(target, ids)
-    rel = np.abs(ours - ref).max() / np.abs(ref).max()
-    print(f"{case} fused={fused}: max rel diff {rel:.2e}")
-    assert rel <= F32_TOL
+    assert_logits_match(target, hf, _prompt(), f"{case} fused={fused}")
 
 
 def test_long_prefill_blas_path_matches_hf(models):
     """A 40-row prefill (> 32 rows: the op-by-op path, BLAS products) is the same model."""
     d, hf = models["norm"]
-    ids = _prompt(44, seed=3)
-    ref = hf_logits(hf, ids)
-    ours = _run_blocks(dn.load_target(d), ids, cuts=(40, 44))
-    assert np.abs(ours - ref).max() / np.abs(ref).max() <= F32_TOL
+    assert_logits_match(dn.load_target(d), hf, _prompt(44, seed=3), "long prefill", cuts=(40, 44))
 
 
 @pytest.mark.parametrize("case", ["norm", "no-norm"])
 def test_greedy_identical_to_hf(models, case):
     d, hf = models[case]
+    assert_greedy_matches_hf(dn.load_target(d), hf)
+
+
+def assert_greedy_matches_hf(target, hf, n: int = 16) -> None:
+    """Target-only greedy on a 12-token prompt == transformers' greedy (full recomputation)."""
     prompt = [int(x) for x in _prompt(12, seed=5)]
-    want = hf_greedy(hf, prompt, 16)
-    r = dn.generate(dn.load_target(d), None, prompt_ids=prompt, max_new_tokens=16)
+    want = hf_greedy(hf, prompt, n)
+    r = dn.generate(target, None, prompt_ids=prompt, max_new_tokens=n)
     got = r.output_ids
-    assert got == want[:len(got)] and (len(got) == 16 or r.finish_reason == "stop"), (got, want)
+    assert got == want[:len(got)] and (len(got) == n or r.finish_reason == "stop"), (got, want)
 
 
 @pytest.mark.parametrize("case", ["norm", "top4"])

@@ -20,6 +20,8 @@ from typing import Callable
 
 from ..config_checks import architecture_of
 from ..errors import UnknownArchitectureError
+from .gpt_oss import (ARCHITECTURE as GPT_OSS_ARCHITECTURE, describe_gpt_oss, expected_gpt_oss_tensors, is_gpt_oss,
+                      resolve_gpt_oss_config)
 from .muse_glimmer import (MUSE_ARCHITECTURES, MUSE_MODEL_TYPES, describe_muse, expected_muse_tensors,
                            resolve_muse_config)
 from .qwen3 import TARGET_ARCHITECTURES, expected_target_tensors, resolve_target_config
@@ -66,6 +68,14 @@ FAMILIES: list[TargetFamily] = [
         model=".qwen3_moe:Qwen3MoeModel",
         describe=describe_qwen3_moe,
     ),
+    TargetFamily(  # gpt-oss-20b / -120b (MXFP4 experts as stored, or a bf16 re-upload)
+        name="gpt_oss",
+        matches=is_gpt_oss,
+        resolve=lambda raw, source: resolve_gpt_oss_config(raw, source=source),
+        expected_tensors=expected_gpt_oss_tensors,
+        model=".gpt_oss:GptOssModel",
+        describe=describe_gpt_oss,
+    ),
     TargetFamily(
         name="muse-glimmer",
         matches=lambda raw: raw.get("model_type") in MUSE_MODEL_TYPES or _arch(raw) in MUSE_ARCHITECTURES,
@@ -98,7 +108,7 @@ def target_family(raw: dict, source: str = "config.json") -> TargetFamily:
     for family in FAMILIES:
         if family.matches(raw):
             return family
-    supported = sorted({*TARGET_ARCHITECTURES, QWEN3_MOE_ARCHITECTURE, *MUSE_ARCHITECTURES,
+    supported = sorted({*TARGET_ARCHITECTURES, QWEN3_MOE_ARCHITECTURE, GPT_OSS_ARCHITECTURE, *MUSE_ARCHITECTURES,
                         *QWEN3_5_ARCHITECTURES.values(), *QWEN3_5_MOE_ARCHITECTURES.values()})
     raise UnknownArchitectureError(
         f"{source}: architectures[0] = {_arch(raw)!r}, model_type = {raw.get('model_type')!r}; "

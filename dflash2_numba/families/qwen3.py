@@ -200,7 +200,8 @@ class TargetModel:
             raise GenerationArgumentError(f"dtype {dtype!r}; expected one of: {', '.join(DTYPE_MODES)}")
         self.config, self.checkpoint, self.ops, self.dtype = config, checkpoint, ops, dtype
         self.bf16 = dtype == "bf16"
-        self.rope = RopeTables(config.head_dim, config.rope_theta, self.bf16)  # cos/sin by position
+        self.rope = RopeTables(config.head_dim, config.rope_theta, self.bf16,
+                               getattr(config, "rope_scaling", None))  # cos/sin by position (YaRN where a family has it)
         self.valid_vocab = config.vocab_size
         checkpoint.require(self.expected_tensors(config))
         c, get, w = config, checkpoint.get, ops.prepare_weight

@@ -2,7 +2,7 @@
 
     attention(q [nq, nh, hd], k [nkv, >=T, hd], v [nkv, >=T, hd],
               q_pos [nq] int64, k_pos [T] int64, causal: bool, window: int,
-              bf16_probs: bool = False) -> [nq, nh, hd] f32
+              bf16_probs: bool = False, sinks=None) -> [nq, nh, hd] f32
 
 The keys are rows 0..T-1 of k / v, T = len(k_pos); later rows are ignored. So a caller hands
 over a whole cache buffer `cache.k[layer]` ([nkv, max_len, hd], C-contiguous: the layout the
@@ -15,6 +15,10 @@ Visibility of key s (position k_pos[s]) from query i (position q_pos[i]):
 GQA: query head h reads KV head h // (nh // nkv). Scale hd^-0.5, softmax in f32 with the max
 subtracted. A query that sees no key gets a zero output row (cannot happen for the target's
 causal use: every query sees itself).
+
+sinks (gpt-oss, families/gpt_oss.py): one learned logit per query head [nh] f32 that joins the
+softmax as an extra column and is dropped after it: it raises the max and the denominator
+(exp(sink - max)) and carries no value. None / an empty array: no sink.
 
 bf16_probs (run mode "bf16"): the unnormalised probabilities exp(s - max) are rounded to bf16
 before they weight V, while their sum stays f32 — what torch's CPU flash SDPA (and GPU
@@ -62,7 +66,7 @@ def visibility(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, window: int) 
     return vis
 
 
-def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False):
+def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, sinks=None):
     """Plain numpy (picoGPT style). Shapes as in the module docstring."""
     q, k, v = (np.asarray(a, dtype=np.float32) for a in (q, k, v))
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
@@ -76,9 +80,13 @@ def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs
     vis = visibility(q_pos, k_pos, causal, window)  # [nq, T]
     scores = np.where(vis[None], scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True)  # [nh, nq, 1]
+    if sinks is not None and len(sinks):
+        m = np.maximum(m, np.asarray(sinks, np.float32)[:, None, None])
     m = np.where(np.isfinite(m), m, 0)  # rows with no visible key: all weights 0
     p = np.exp(scores - m)  # [nh, nq, T]
     s = p.sum(axis=-1, keepdims=True)  # [nh, nq, 1] from the unrounded p
+    if sinks is not None and len(sinks):  # the sink column: in the denominator only
+        s = s + np.exp(np.asarray(sinks, np.float32)[:, None, None] - m)
     if bf16_probs:
         p = round_bf16_array(p)
     o = np.einsum("hqt,htd->qhd", p, vh)  # [nq, nh, hd]
@@ -142,18 +150,22 @@ def _visible(qp, kp, causal, window):
 
 
 @njit(inline="always")
-def _softmax_weights(s, vis, T, bf16_probs):
+def _softmax_weights(s, vis, T, bf16_probs, sinks, h):
     """s [>=T] scaled scores -> unnormalised weights exp(s - max) in place (0 where not
     visible; bf16-rounded in bf16_probs mode). Returns 1 / sum of the UNROUNDED weights, or 0
-    when no key is visible (the caller writes zeros)."""
+    when no key is visible (the caller writes zeros). sinks [nh] or empty: head h's sink logit
+    joins the max and the sum, never the weights."""
     mx = np.float32(-np.inf)
     for t in range(T):
         if vis[t] and s[t] > mx:
             mx = s[t]
     if mx == -np.inf:
         return np.float32(0.0)
+    has_sink = sinks.shape[0] > 0
+    if has_sink and sinks[h] > mx:
+        mx = sinks[h]
     _exp_shifted(s, T, mx)
-    total = np.float32(0.0)
+    total = _exp_f32(sinks[h] - mx) if has_sink else np.float32(0.0)
     for t in range(T):
         w = s[t] if vis[t] else np.float32(0.0)
         total += w
@@ -162,7 +174,7 @@ def _softmax_weights(s, vis, T, bf16_probs):
 
 
 @njit(fastmath={"reassoc"}, nogil=True)  # its own flags: called, not inlined (see the drivers)
-def _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item):
+def _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, item):
     """Query i = item // nkv with its g = nh // nkv heads sharing KV head kvh = item % nkv.
     q [nq, nh, hd], k/v [nkv, >=T, hd] C-contiguous, out [nq, nh, hd] written."""
     nq, nh, hd = q.shape
@@ -184,7 +196,7 @@ def _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item
             for j in range(hd):
                 a += q[i, h, j] * k[kvh, t, j]
             s[t] = a * scale
-        inv = _softmax_weights(s, vis, Te, bf16_probs)
+        inv = _softmax_weights(s, vis, Te, bf16_probs, sinks, h)
         acc[:] = np.float32(0.0)
         for t in range(Te):
             if vis[t]:  # skipped, not weighted by 0: an inf/NaN in an unseen row never leaks
@@ -196,7 +208,7 @@ def _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item
 
 
 @njit(fastmath={"reassoc"}, nogil=True)
-def _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, kvh):
+def _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, kvh):
     """Every query row of KV head kvh (nq queries x its g heads). Shapes as `_attend_rows`."""
     nq, nh, hd = q.shape
     g = nh // k.shape[0]
@@ -224,7 +236,7 @@ def _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs
                 q3 = q[i, h, j3] * scale if j + 3 < hd else np.float32(0.0)
                 for t in range(T):
                     s[t] += q0 * kT[j, t] + q1 * kT[j1, t] + q2 * kT[j2, t] + q3 * kT[j3, t]
-            inv = _softmax_weights(s, vis, T, bf16_probs)
+            inv = _softmax_weights(s, vis, T, bf16_probs, sinks, h)
             # out_j = sum_t w_t V^T[j, t]; an unseen key has weight exactly 0 (a select here
             # would halve the speed; V rows are cache rows the model wrote, so finite)
             for j in range(hd):
@@ -235,12 +247,12 @@ def _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs
 
 
 @njit(inline="always")
-def _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item):
+def _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed, item):
     """Work item `item` of the chosen loop order (see `_n_items`)."""
     if transposed:
-        _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
+        _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, item)
     else:
-        _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
+        _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, item)
 
 
 @njit(inline="always")
@@ -255,18 +267,21 @@ def _n_items(q, k, transposed):
 # of a cold compile (numba's inliner is slow on loops this size), and the bits are the same
 # (checked against the inlined build on 1600 random shapes, both orders and drivers: docs/cold_start.md).
 @njit(parallel=True, fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_par(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
+def _attention_par(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed):
     for item in prange(_n_items(q, k, transposed)):
-        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item)
+        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed, item)
 
 
 @njit(fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_ser(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
+def _attention_ser(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed):
     for item in range(_n_items(q, k, transposed)):
-        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item)
+        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed, item)
 
 
-def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None):
+NO_SINKS = np.empty(0, np.float32)
+
+
+def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None, sinks=None):
     """numba kernel; same contract as `attention_reference`."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
@@ -282,5 +297,8 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     kernel = _attention_par if use_parallel(q.size * T) else _attention_ser
     # use_transposed's rule, read here from the module global (tests force either order)
     transposed = (not causal) and q.shape[0] * q.shape[1] // k.shape[0] >= TRANSPOSE_MIN_ROWS
-    kernel(q, k, v, q_pos, k_pos, T, bool(causal), int(window), bool(bf16_probs), out, transposed)
+    sinks = NO_SINKS if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
+    if sinks.shape[0] not in (0, q.shape[1]):
+        raise ValueError(f"attention: sinks {list(sinks.shape)}, expected [{q.shape[1]}] (one per query head)")
+    kernel(q, k, v, q_pos, k_pos, T, bool(causal), int(window), bool(bf16_probs), sinks, out, transposed)
     return out

@@ -44,7 +44,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
-from .attention import _attention_par, _attention_ser, use_transposed
+from .attention import NO_SINKS, _attention_par, _attention_ser, use_transposed
 from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
 from .linear import GEMV_MAX_ROWS
 from ..quant.weights import gemv_weights, in_features, panel_columns, weight_size
@@ -193,9 +193,9 @@ def _attention(q, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, parall
     T = k_pos.shape[0]
     transposed = use_transposed(q.shape[0], q.shape[1], kbuf.shape[0], causal)
     if parallel and q.size * T >= par_min_macs:
-        _attention_par(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), out, transposed)
+        _attention_par(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), NO_SINKS, out, transposed)
     else:
-        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), out, transposed)
+        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), NO_SINKS, out, transposed)
     return out
 
 

@@ -66,3 +66,47 @@ def route(logits: np.ndarray, k: int, renormalize: bool, bf16: bool) -> tuple[np
     weights = np.empty((logits.shape[0], k), np.float32)
     route_rows(logits, int(k), bool(renormalize), bool(bf16), ids, weights)
     return ids, weights
+
+
+# ------------------------------------------------------------------ gpt-oss: top-k, then softmax
+@njit(cache=True, nogil=True)
+def route_topk_softmax_rows(logits, k, ids, weights):
+    """gpt-oss's router (families/gpt_oss.py): logits [n, E] f32 (bias already added) -> ids
+    [n, k] (descending logit, ties: lowest id first) and weights [n, k] f32 = softmax over the k
+    SELECTED logits only (the other experts never enter the denominator)."""
+    n, E = logits.shape
+    taken = np.zeros(E, np.bool_)
+    for r in range(n):
+        for e in range(E):
+            taken[e] = False
+        for j in range(k):
+            best = -1
+            for e in range(E):  # strictly greater: the lowest id wins a tie
+                if not taken[e] and (best < 0 or logits[r, e] > logits[r, best]):
+                    best = e
+            taken[best] = True
+            ids[r, j] = best
+        m = logits[r, ids[r, 0]]  # the largest selected logit
+        s = np.float32(0.0)
+        for j in range(k):
+            weights[r, j] = np.float32(np.exp(logits[r, ids[r, j]] - m))
+            s += weights[r, j]
+        for j in range(k):
+            weights[r, j] = weights[r, j] / s
+
+
+def route_topk_softmax_reference(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy: logits [n, E] -> (ids [n, k], weights [n, k]) as route_topk_softmax_rows."""
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # stable: lowest id first among equals
+    z = np.take_along_axis(logits, ids, axis=1).astype(np.float64)  # [n, k]
+    w = np.exp(z - z.max(axis=1, keepdims=True))
+    return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def route_topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """route_topk_softmax_rows on fresh outputs: -> (ids [n, k] int64, weights [n, k] f32)."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    ids = np.empty((logits.shape[0], k), np.int64)
+    weights = np.empty((logits.shape[0], k), np.float32)
+    route_topk_softmax_rows(logits, int(k), ids, weights)
+    return ids, weights

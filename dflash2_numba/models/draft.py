@@ -55,7 +55,7 @@ class DFlashDraft:
         self.config, self.checkpoint, self.target = config, checkpoint, target
         self.ops = ops or target.ops  # one device switch for the pair (ops: another weight format)
         self.dtype, self.bf16 = target.dtype, target.dtype == "bf16"
-        self.rope = RopeTables(config.head_dim, config.rope_theta, self.bf16)  # cos/sin by position
+        self.rope = RopeTables(config.head_dim, config.rope_theta, self.bf16, config.rope_scaling)  # cos/sin by position
         self.block_size = config.block_size
         self.target_layer_ids = list(config.target_layer_ids)
         self.mask_token_id = config.mask_token_id
@@ -79,6 +79,8 @@ class DFlashDraft:
                 "k_norm": as_f32(get(p + "self_attn.k_norm.weight")),  # [hd]
                 **{n: w(get(p + f"self_attn.{n}_proj.weight")) for n in ("q", "k", "v", "o")},
                 **{n: w(get(p + f"mlp.{n}_proj.weight")) for n in ("gate", "up", "down")},
+                **({n + "_b": as_f32(get(p + f"self_attn.{n}_proj.bias")) for n in ("q", "k", "v", "o")}
+                   if config.attention_bias else {}),  # [out] each
                 "causal": config.layer_causal[i],
                 "window": config.layer_window[i] or 0,  # 0 = full attention
             })
@@ -150,9 +152,9 @@ class DFlashDraft:
         bounds = np.cumsum([0] + [it[3] for it in items])
         ctx = ops.rms_norm(rnd_if(linear(x, self.fc), bf16), self.hidden_norm, eps, bf16)  # [N, H] c_t
         for i, L in enumerate(self.layers):
-            k = rnd_if(linear(ctx, L["k"]), bf16).reshape(N, nkv, hd)  # [N, nkv, hd]
+            k = self._proj(L, "k", ctx, linear).reshape(N, nkv, hd)  # [N, nkv, hd]
             k = ops.apply_rope(ops.rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
-            v = rnd_if(linear(ctx, L["v"]), bf16).reshape(N, nkv, hd)  # [N, nkv, hd]
+            v = self._proj(L, "v", ctx, linear).reshape(N, nkv, hd)  # [N, nkv, hd]
             for (state, _, s, n), r0 in zip(items, bounds):
                 state.k[i, :, s:s + n] = k[r0:r0 + n].transpose(1, 0, 2)  # [nkv, n, hd]
                 state.v[i, :, s:s + n] = v[r0:r0 + n].transpose(1, 0, 2)
@@ -214,9 +216,9 @@ class DFlashDraft:
         for i, L in enumerate(self.layers):
             a = ops.rms_norm(h, L["ln1"], eps, bf16)  # [N, H]
             a, k_att = self.conv_prepare(L, "attention_conv", a, conv_rows)
-            q = rnd_if(linear(a, L["q"]), bf16).reshape(N, nh, hd)  # [N, nh, hd]
-            k = rnd_if(linear(a, L["k"]), bf16).reshape(N, nkv, hd)  # [N, nkv, hd]
-            v = rnd_if(linear(a, L["v"]), bf16).reshape(N, nkv, hd)
+            q = self._proj(L, "q", a, linear).reshape(N, nh, hd)  # [N, nh, hd]
+            k = self._proj(L, "k", a, linear).reshape(N, nkv, hd)  # [N, nkv, hd]
+            v = self._proj(L, "v", a, linear).reshape(N, nkv, hd)
             q = ops.apply_rope(ops.rms_norm(q, L["q_norm"], eps, bf16), cos, sin, bf16)
             k = ops.apply_rope(ops.rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
             o = np.empty((N, nh, hd), np.float32)  # [N, nh, hd]
@@ -227,7 +229,7 @@ class DFlashDraft:
                 st.v[i, :, p:p + Q] = v[blk].transpose(1, 0, 2)
                 o[blk] = self.ops.attention(q[blk], st.k[i], st.v[i], pos[blk], np.arange(p + Q),
                                             L["causal"], L["window"], bf16)  # keys: rows 0..p+Q-1
-            o = rnd_if(linear(rnd_if(o, bf16).reshape(N, nh * hd), L["o"]), bf16)  # [N, H]
+            o = self._proj(L, "o", rnd_if(o, bf16).reshape(N, nh * hd), linear)  # [N, H]
             h = rnd_if(h + self.conv_finish(L, "attention_conv", o, k_att, conv_rows), bf16)
 
             m = ops.rms_norm(h, L["ln2"], eps, bf16)  # [N, H]
@@ -235,6 +237,14 @@ class DFlashDraft:
             y = mlp(m, L["gate"], L["up"], L["down"], linear, bf16, ops.swiglu)  # [N, H]
             h = rnd_if(h + self.conv_finish(L, "mlp_conv", y, k_mlp, conv_rows), bf16)
         return ops.rms_norm(h, self.norm, eps, bf16)  # [N, H]
+
+    def _proj(self, L: dict, name: str, x: np.ndarray, linear) -> np.ndarray:
+        """Projection `name` of layer L on x [N, in] -> [N, out], plus its bias when the config
+        has attention_bias (rounded once, as torch's addmm)."""
+        y = linear(x, L[name])
+        if name + "_b" in L:
+            y = y + L[name + "_b"]
+        return rnd_if(y, self.bf16)
 
     def _row_linear(self, x: np.ndarray, w) -> np.ndarray:
         """ops.linear over chunks of <= 32 rows: each row's bits whatever is stacked with it."""
@@ -246,8 +256,8 @@ class DFlashDraft:
     def _fusable(self) -> bool:
         """The fused layer applies on the numba CPU device when every layer's weights are ones
         the GEMV reads (checked once; fused.can_fuse)."""
-        if not self.fused or self.ops.device != "cpu":
-            return False
+        if not self.fused or self.ops.device != "cpu" or self.config.attention_bias:
+            return False  # the fused layer has no bias path
         if not hasattr(self, "_fused_ok"):
             self._fused_ok = True
             for L in self.layers:

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import GenerationArgumentError
 from ..numerics import as_f32, round_bf16_array
+from .rope import rope_frequencies
 
 
 def rnd_if(x: np.ndarray, bf16: bool) -> np.ndarray:
@@ -27,15 +28,18 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, bf16: bool = False) -> np
     return rnd_if(as_f32(w) * normed, bf16)
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float, bf16: bool = False):
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float, bf16: bool = False, scaling=None):
     """cos, sin [n, hd] for NeoX rotate-half RoPE, computed in f32 as HF does
-    (inv_freq_i = 1 / theta^(2i/hd); in bf16 mode the tables are cast to bf16, like HF's
-    `cos.to(x.dtype)`)."""
-    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)  # [hd/2]
-    inv_freq = np.float32(1.0) / (np.float32(theta) ** exponent)  # [hd/2]
+    (inv_freq_i = 1 / theta^(2i/hd), or YaRN's mix when `scaling` (models/rope.RopeScaling) is
+    given, whose attention factor then multiplies cos and sin; in bf16 mode the tables are cast
+    to bf16, like HF's `cos.to(x.dtype)`)."""
+    inv_freq, factor = rope_frequencies(head_dim, theta, scaling)  # [hd/2]
     freqs = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # [n, hd/2]
     emb = np.concatenate([freqs, freqs], axis=-1)  # [n, hd]
-    return rnd_if(np.cos(emb), bf16), rnd_if(np.sin(emb), bf16)
+    cos, sin = np.cos(emb), np.sin(emb)
+    if scaling is not None:
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    return rnd_if(cos, bf16), rnd_if(sin, bf16)
 
 
 class RopeTables:
@@ -43,19 +47,19 @@ class RopeTables:
     positions grow: the same bits (every entry is an elementwise function of its position), one
     row gather per forward instead of fresh cos/sin/concatenate calls.
 
-        rope = RopeTables(head_dim, theta, bf16)
+        rope = RopeTables(head_dim, theta, bf16, scaling)   # scaling: models/rope.RopeScaling or None
         cos, sin = rope(positions)      # [n, hd] each, any positions
         cos, sin = rope.span(start, n)  # positions start..start+n-1, as views"""
 
-    def __init__(self, head_dim: int, theta: float, bf16: bool = False):
-        self.head_dim, self.theta, self.bf16 = int(head_dim), float(theta), bool(bf16)
+    def __init__(self, head_dim: int, theta: float, bf16: bool = False, scaling=None):
+        self.head_dim, self.theta, self.bf16, self.scaling = int(head_dim), float(theta), bool(bf16), scaling
         self.cos = self.sin = np.empty((0, self.head_dim), np.float32)  # [P, hd]
 
     def __call__(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin [n, hd] of arbitrary positions [n] (row copies)."""
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)  # [n]
         if positions.size and positions.min() < 0:
-            return rope_tables(positions, self.head_dim, self.theta, self.bf16)
+            return rope_tables(positions, self.head_dim, self.theta, self.bf16, self.scaling)
         self._grow(int(positions.max()) + 1 if positions.size else 0)
         return self.cos[positions], self.sin[positions]
 
@@ -67,7 +71,7 @@ class RopeTables:
     def _grow(self, top: int) -> None:
         if top > self.cos.shape[0]:
             P = max(top, 2 * self.cos.shape[0], 256)
-            self.cos, self.sin = rope_tables(np.arange(P), self.head_dim, self.theta, self.bf16)
+            self.cos, self.sin = rope_tables(np.arange(P), self.head_dim, self.theta, self.bf16, self.scaling)
             self.cos.flags.writeable = self.sin.flags.writeable = False
 
 

@@ -137,7 +137,7 @@ def resident_bytes_per_weight(fmt: str) -> float:
 def is_router(name: str) -> bool:
     """A MoE router or shared-expert gate: kept as stored (bf16 panels) whatever --quantize says,
     as llama.cpp keeps ffn_gate_inp unquantized (a quantized router moves the top-k choice)."""
-    return name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+    return name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight"))  # router: gpt-oss
 
 
 def matrix_bytes_per_weight(name: str, shape, fmt: str) -> float | None:

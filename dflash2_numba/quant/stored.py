@@ -185,10 +185,10 @@ def scales_f32(a: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------ registry
 def _planners() -> dict:
-    from . import awq_gptq, compressed_tensors, fp8
+    from . import awq_gptq, compressed_tensors, fp8, mxfp4
 
     return {"fp8": fp8.plan, "compressed-tensors": compressed_tensors.plan, "awq": awq_gptq.plan_awq,
-            "gptq": awq_gptq.plan_gptq}
+            "gptq": awq_gptq.plan_gptq, "mxfp4": mxfp4.plan}
 
 
 def read_quantization_config(directory: Path) -> dict | None:
@@ -221,7 +221,7 @@ def plan_stored(directory: Path, infos: dict, raw_get: Callable, qcfg: dict | No
     planners = _planners()
     if method not in planners:
         raise refuse(where, "quantization_config.quant_method", f"one of {', '.join(planners)} "
-                     "(bitsandbytes, NVFP4 / MXFP4, HQQ, ... are not implemented)", method)
+                     "(bitsandbytes, NVFP4, HQQ, ... are not implemented)", method)
     entries = planners[method](qcfg, infos, raw_get, where)
     out = {}
     for e in entries:
