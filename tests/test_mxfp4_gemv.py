@@ -9,7 +9,13 @@ import numba
 import numpy as np
 import pytest
 
-from dflash2_numba.quant.mxfp4_gemv import E2M1, gemv_mxfp4, gemv_mxfp4_reference
+from dflash2_numba.quant.mxfp4 import dequantize_mxfp4
+from dflash2_numba.quant.mxfp4_gemv import E2M1, gemv_mxfp4
+
+
+def gemv_mxfp4_reference(x, blocks, scales):
+    """[M, N] float64: x times the format's definition (quant/mxfp4.py), dequantized exactly in f32."""
+    return np.asarray(x, np.float64) @ dequantize_mxfp4(blocks[None], scales[None])[0].astype(np.float64).T
 
 
 def _e2m1_reference(code: int) -> float:

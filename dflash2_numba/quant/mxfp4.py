@@ -17,14 +17,11 @@ The planner turns each pair into ONE logical tensor `X_blocks` of the dense shap
 loaded, it is an `Mxfp4Experts` whose `expert(e)` is a StoredWeight [N, K] over memory-mapped
 views (zero-copy).
 
-Kernel: 2 * e2m1 are the small integers LUT2 = [0, 1, 2, 3, 4, 6, 8, 12, -0, -1, ..., -12],
-so a block is decoded exactly into an f32 buffer of 32 integers, dotted with each activation row
-in bytes_kernel.dot_lanes' fixed order, and the partial sum times 2^(s - 128) (the halved E8M0
-scale, from a 256-entry table) is added to the output's accumulator in the block epilogue. Every
-output's arithmetic is independent of the row count and of the thread split (threads own whole
-output columns), so a Q-row product equals Q one-row products bit for bit. `dequantize_mxfp4`
-(numpy) is the definition the kernel is tested against, and transformers'
-`convert_moe_packed_tensors` the oracle of that (tests/test_gpt_oss.py).
+Kernel: quant/mxfp4_gemv.py computes on these bytes in place with f32 activations (the codes
+become e2m1 values in registers by a table permute, the block scale joins in the epilogue), rows,
+threads and instruction-set paths bit-identical, so a Q-row product equals Q one-row products bit
+for bit. `dequantize_mxfp4` (numpy) is the definition the kernel is tested against, and
+transformers' `convert_moe_packed_tensors` the oracle of that (tests/test_gpt_oss.py).
 """
 
 from __future__ import annotations
@@ -32,15 +29,11 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 import numpy as np
-from numba import njit, prange
 
 from ..errors import StoredFormatError
-from .bytes_kernel import COLS, dot_lanes
+from .mxfp4_gemv import E2M1, gemv_mxfp4
 from .stored import Entry, StoredWeight, name_list, refuse
 
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)  # [16]
-LUT2 = (2 * E2M1).astype(np.float32)  # [16] small integers: exact in f32
-HALF_SCALE = np.array([np.ldexp(np.float64(1.0), s - 128) for s in range(256)], np.float32)  # [256] 2^(s-128)
 BLOCK = 32
 
 
@@ -74,46 +67,10 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return blocks, (e + 127).astype(np.uint8)
 
 
-# ------------------------------------------------------------------ numba kernel
-@njit(inline="always")
-def _mxfp4_cols(x, blocks, scales, lut, half, y, n0, n1, buf, acc):
-    M = x.shape[0]
-    nb = blocks.shape[1]
-    for n in range(n0, n1):
-        for m in range(M):
-            acc[m] = np.float32(0.0)
-        for b in range(nb):
-            for j in range(16):
-                byte = blocks[n, b, j]
-                buf[2 * j] = lut[byte & 15]
-                buf[2 * j + 1] = lut[byte >> 4]
-            sc = half[scales[n, b]]
-            for m in range(M):
-                acc[m] = acc[m] + dot_lanes(x, m, buf, b * BLOCK, BLOCK) * sc
-        for m in range(M):
-            y[m, n] = acc[m]
-
-
-@njit(nogil=True, cache=True)
-def _mxfp4_ser(x, blocks, scales, lut, half, y):
-    buf = np.empty(BLOCK, np.float32)
-    acc = np.empty(x.shape[0], np.float32)
-    _mxfp4_cols(x, blocks, scales, lut, half, y, 0, blocks.shape[0], buf, acc)
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def _mxfp4_par(x, blocks, scales, lut, half, y):
-    N = blocks.shape[0]
-    for c in prange((N + COLS - 1) // COLS):
-        buf = np.empty(BLOCK, np.float32)
-        acc = np.empty(x.shape[0], np.float32)
-        _mxfp4_cols(x, blocks, scales, lut, half, y, c * COLS, min(N, (c + 1) * COLS), buf, acc)
-
-
+# ------------------------------------------------------------------ the product
 def matmul_mxfp4(arrays: dict, x: np.ndarray, y: np.ndarray, parallel: bool) -> np.ndarray:
     """y [M, N] = x [M, K] f32 @ W.T with W = dequantize_mxfp4(blocks, scales) [N, K]."""
-    (_mxfp4_par if parallel else _mxfp4_ser)(x, arrays["blocks"], arrays["scales"], LUT2, HALF_SCALE, y)
-    return y
+    return gemv_mxfp4(x, arrays["blocks"], arrays["scales"], y, parallel)
 
 
 def _dequant(arrays: dict, shape) -> np.ndarray:

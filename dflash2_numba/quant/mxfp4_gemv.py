@@ -17,8 +17,9 @@ product along k, computed on those bytes in place (no repacking, no dense copy):
    the last block the lanes are summed in a fixed tree. Every row's operations are the same
    whatever the row count (a Q-row verify == Q one-row steps bit for bit), threads own whole
    outputs, and the values and their order are the same on every path: the same bits everywhere.
-The numpy definition of the format (dequantize, then a float64 product) is the reference the
-tests hold it to; the order differs from transformers' dense f32 product only by rounding.
+quant/mxfp4.py holds the format's definition (`dequantize_mxfp4`) and the loaded tensors; the
+tests hold this kernel to that definition's float64 product (the order differs from transformers'
+dense f32 product only by rounding).
 
 Speed: one byte holds two weights; per 32 weights the decode costs a load, a widen, and/shift and
 two permutes, shared by the rows; each row adds three float ops. Weight bytes are prefetched
@@ -40,19 +41,6 @@ E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
 VBITS = isa.vector_bits()
 V = 16 if VBITS == 512 else 8  # f32 lanes per vector
 PREFETCH_BYTES = 2048
-
-
-# ------------------------------------------------------------------ numpy reference
-def dequantize_reference(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """blocks u8 [N, K/32, 16], scales u8 [N, K/32] -> W [N, K] f64 (the format's definition)."""
-    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(blocks.shape[0], -1)  # [N, K] low first
-    w = E2M1[codes].astype(np.float64)
-    return w * np.ldexp(1.0, np.repeat(scales.astype(np.int64), BLOCK, axis=1) - 127)
-
-
-def gemv_mxfp4_reference(x: np.ndarray, blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """[M, N] in float64."""
-    return np.asarray(x, np.float64) @ dequantize_reference(blocks, scales).T
 
 
 # ------------------------------------------------------------------ the per-output tile (LLVM IR)
