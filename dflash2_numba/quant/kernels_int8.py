@@ -89,6 +89,34 @@ def quantize_rows(x, Kp):
     return xq, xs, xc
 
 
+# ------------------------------------------------------------------ LLVM IR helpers (also kernels_q4k.py)
+def ir_fn(builder, name, ret, argtys):
+    """Declare (once per module) and return the LLVM function `name`."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
+
+
+def ir_splat(builder, scalar, vty):
+    """<n x T> of `scalar` in every lane."""
+    undef = ir.Constant(vty, ir.Undefined)
+    one = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count))
+
+
+def ir_half_to_float(builder, h, vi, vf):
+    """<V x i16> fp16 bits -> <V x float>, exact, in integer ops and one multiply: the magnitude
+    bits shifted into an f32 are the value times 2^-112 (normal and subnormal fp16 alike), so
+    times 2^112 is the value; then the sign. (LLVM's fpext from half needs F16C or a runtime
+    call numba's JIT lacks; scales are never inf or NaN.)"""
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    w = builder.zext(h, vi)
+    mag = builder.shl(builder.and_(w, ir_splat(builder, ir.Constant(i32, 0x7FFF), vi)),
+                      ir_splat(builder, ir.Constant(i32, 13), vi))
+    sign = builder.shl(builder.and_(w, ir_splat(builder, ir.Constant(i32, 0x8000), vi)),
+                       ir_splat(builder, ir.Constant(i32, 16), vi))
+    val = builder.fmul(builder.bitcast(mag, vf), ir_splat(builder, ir.Constant(f32, 2.0 ** 112), vf))
+    return builder.bitcast(builder.or_(builder.bitcast(val, vi), sign), vf)
+
+
 # ------------------------------------------------------------------ micro-kernel (LLVM IR)
 def _tile(R: int, G: int, fmt: str):
     """An intrinsic tile(xq, xs, xc, m0, qw, ws, p, col0, y, ycol): rows m0..m0+R-1, columns
@@ -119,26 +147,16 @@ def _tile(R: int, G: int, fmt: str):
             vs16 = ir.VectorType(i16, V)  # the fp16 scales' bits
 
             def half_to_float(h):
-                """<V x i16> fp16 bits -> <V x float>, exact, in integer ops and one multiply: the
-                magnitude bits shifted into an f32 are the value times 2^-112 (normal and subnormal
-                fp16 alike), so times 2^112 is the value; then the sign. (LLVM's fpext from half
-                needs F16C or a runtime call numba's JIT lacks; scales are never inf or NaN.)"""
-                w = builder.zext(h, vi)
-                mag = builder.shl(builder.and_(w, splat(ir.Constant(i32, 0x7FFF), vi)), splat(ir.Constant(i32, 13), vi))
-                sign = builder.shl(builder.and_(w, splat(ir.Constant(i32, 0x8000), vi)), splat(ir.Constant(i32, 16), vi))
-                val = builder.fmul(builder.bitcast(mag, vf), splat(ir.Constant(f32, 2.0 ** 112), vf))
-                return builder.bitcast(builder.or_(builder.bitcast(val, vi), sign), vf)
+                return ir_half_to_float(builder, h, vi, vf)
 
             def const(v):
                 return ir.Constant(i64, v)
 
             def fn(name, ret, argtys):
-                return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
+                return ir_fn(builder, name, ret, argtys)
 
             def splat(scalar, vty):
-                undef = ir.Constant(vty, ir.Undefined)
-                one = builder.insert_element(undef, scalar, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
+                return ir_splat(builder, scalar, vty)
 
             Kp = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
             nb = builder.ashr(Kp, const(5))
@@ -278,7 +296,10 @@ _q4_4, _q4_2, _q4_1 = _tiles["q4_0"]
 
 
 # ------------------------------------------------------------------ drivers
-def _make_item(t4, t2, t1):
+def _make_item(t4, t2, t1, group_cols=GROUP_COLS):
+    """The driver of one work item (ITEM_PANELS panels) over tiles t4 / t2 / t1 (4 / 2 / 1 rows)
+    of `group_cols` columns each (kernels_q4k.py reuses it with its own tiles)."""
+
     @njit(inline="always")
     def item(xq, xs, xc, qw, ws, y, b):
         """Output columns b*128 .. b*128+127 for every row; y [M, N]."""
@@ -287,7 +308,7 @@ def _make_item(t4, t2, t1):
         scratch = np.empty((M, ITEM_COLS), np.float32)  # [M, 128]
         for pp in range(ITEM_PANELS):
             p = b * ITEM_PANELS + pp
-            for col0 in range(0, PANEL_COLS, GROUP_COLS):
+            for col0 in range(0, PANEL_COLS, group_cols):
                 m0 = 0
                 while M - m0 >= 4:
                     t4(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
