@@ -27,6 +27,7 @@ import pytest
 from dflash2_numba.decode.warmup import parallel_threshold
 from dflash2_numba.errors import QuantizeError
 from dflash2_numba.kernels import isa
+from dflash2_numba.kernels.cache_check import check_kernel_cache
 from dflash2_numba.kernels.linear import linear
 from dflash2_numba.quant import kernels_q4k as KQ
 from dflash2_numba.quant import q4_k
@@ -36,6 +37,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import llama_refs  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "q4_k_golden.npz"
+
+# kernels_q4k inlines q4_k.nearest_int: numba's cache keys a kernel on its own file only, so a
+# changed q4_k.py would leave stale kernels without the package-wide fingerprint check
+check_kernel_cache()
 
 
 def golden_input() -> np.ndarray:
@@ -109,7 +114,8 @@ def test_quantize_refusals():
 def test_activation_quantizer_matches_numpy():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((9, 512)).astype(np.float32)
-    x[0, :256] = np.arange(256, dtype=np.float32) - np.float32(127.5)  # iscale -127/-127.5: ties
+    x[0, :256] = np.arange(256, dtype=np.float32) % 200 - np.float32(99.5)  # iscale = 1: q = x on .5 ties
+    x[0, 0] = -127.0
     x[1, 256:] = 0.0
     x[2, :256] *= np.float32(1e-30)
     got = KQ.quantize_rows_k_entry(x, 512)
@@ -198,6 +204,7 @@ _PATH_SCRIPT = textwrap.dedent("""
     import sys, numpy as np
     import dflash2_numba
     from dflash2_numba.kernels import isa
+from dflash2_numba.kernels.cache_check import check_kernel_cache
     from dflash2_numba.kernels.linear import linear
     from dflash2_numba.quant.weights import quantize_weight
     rng = np.random.default_rng(11)
