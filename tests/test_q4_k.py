@@ -204,7 +204,6 @@ _PATH_SCRIPT = textwrap.dedent("""
     import sys, numpy as np
     import dflash2_numba
     from dflash2_numba.kernels import isa
-from dflash2_numba.kernels.cache_check import check_kernel_cache
     from dflash2_numba.kernels.linear import linear
     from dflash2_numba.quant.weights import quantize_weight
     rng = np.random.default_rng(11)
