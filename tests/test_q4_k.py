@@ -20,11 +20,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numba
 import numpy as np
 import pytest
 
-from dflash2_numba.decode.warmup import parallel_threshold
 from dflash2_numba.errors import QuantizeError
 from dflash2_numba.kernels import isa
 from dflash2_numba.kernels.cache_check import check_kernel_cache
@@ -35,6 +33,7 @@ from dflash2_numba.quant.weights import quantize_weight
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_refs  # noqa: E402
+from test_quant import sweep_rows_and_threads  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "q4_k_golden.npz"
 
@@ -174,19 +173,7 @@ def test_kernel_matches_reference(N, K):
     w = rng.standard_normal((N, K)).astype(np.float32)
     w[:, :K // 2] += np.float32(0.5)
     blocks = q4_k.quantize_q4_k(w)
-    packed = quantize_weight(w, "q4_k")
-    saved = numba.get_num_threads()
-    try:
-        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
-            numba.set_num_threads(threads)
-            with parallel_threshold(0):
-                for M in list(range(1, 18)) + [32, 40]:
-                    x = rng.standard_normal((M, K)).astype(np.float32)
-                    y = np.full((M, N), np.nan, np.float32)
-                    linear(x, packed, out=y)
-                    assert np.array_equal(y, KQ.gemv_q4k_reference(x, blocks)), (threads, M)
-    finally:
-        numba.set_num_threads(saved)
+    sweep_rows_and_threads(quantize_weight(w, "q4_k"), lambda x: KQ.gemv_q4k_reference(x, blocks), rng)
 
 
 def test_close_to_the_dequantized_float_product():
@@ -211,11 +198,12 @@ _PATH_SCRIPT = textwrap.dedent("""
     x = rng.standard_normal((9, 512)).astype(np.float32)
     qw = quantize_weight(w, "q4_k")
     if sys.argv[2] == "compile":  # another machine's instruction set: compile, never run
-        from dflash2_numba.quant.kernels_q4k import _gemv_q4k_ser, quantize_rows_k_entry
+        from dflash2_numba.quant.kernels_int8 import _gemv_quant_ser
+        from dflash2_numba.quant.kernels_q4k import quantize_rows_k_entry
         args = quantize_rows_k_entry(x, 512) + qw.panels + (np.zeros((9, 300), np.float32),)
         sig = tuple(__import__("numba").typeof(a) for a in args)
-        _gemv_q4k_ser.compile(sig)
-        asm = _gemv_q4k_ser.inspect_asm(sig)
+        _gemv_quant_ser.compile(sig)
+        asm = _gemv_quant_ser.inspect_asm(sig)
         print(isa.selected(), "vpdpbusd" in asm, "ymm" in asm, "zmm" in asm)
         sys.exit(0)
     y = linear(x, qw)

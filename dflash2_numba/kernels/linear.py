@@ -27,7 +27,7 @@ from numba.extending import overload
 
 from ..numerics import as_f32, bf16_to_f32
 from ..quant.kernels_int8 import _gemv_quant_par, _gemv_quant_ser, quantize_rows_entry
-from ..quant.kernels_q4k import _gemv_q4k_par, _gemv_q4k_ser, quantize_rows_k_entry
+from ..quant.kernels_q4k import quantize_rows_k_entry
 from ..quant.stored import StoredWeight
 from ..quant.weights import QuantizedWeight
 from .panels import _gemv_panels_par, _gemv_panels_ser
@@ -208,13 +208,11 @@ def _linear_chunked(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarray:
 def linear_quantized(x: np.ndarray, w: QuantizedWeight, y: np.ndarray) -> np.ndarray:
     """y [M, N] = x [M, K] @ w.T on the integer kernels (quant/kernels_int8.py, kernels_q4k.py), any M."""
     qw, ws = w.panels
-    par = use_parallel(x.shape[0] * w.shape[0] * x.shape[1])
-    if w.format == "q4_k":
-        xq, xd, xb = quantize_rows_k_entry(x, ws.shape[1] * 256)
-        (_gemv_q4k_par if par else _gemv_q4k_ser)(xq, xd, xb, qw, ws, y)
-        return y
-    xq, xs, xc = quantize_rows_entry(x, ws.shape[1] * 32)
-    (_gemv_quant_par if par else _gemv_quant_ser)(xq, xs, xc, qw, ws, y)
+    if w.format == "q4_k":  # q8_K activations per 256 (quant/kernels_q4k.py)
+        xq, xs, xc = quantize_rows_k_entry(x, ws.shape[1] * 256)
+    else:
+        xq, xs, xc = quantize_rows_entry(x, ws.shape[1] * 32)
+    (_gemv_quant_par if use_parallel(x.shape[0] * w.shape[0] * x.shape[1]) else _gemv_quant_ser)(xq, xs, xc, qw, ws, y)
     return y
 
 

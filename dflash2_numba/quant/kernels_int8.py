@@ -336,8 +336,28 @@ def _item(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the 
 
 @overload(_item, inline="always")
 def _item_impl(xq, xs, xc, qw, ws, y, b):
-    """The format's item driver, chosen by the weight's dtype at compile time."""
+    """The format's item driver, chosen by the panels' dtypes at compile time: Q4_K panels
+    (kernels_q4k.py) have uint8 metadata, q4_0 uint8 nibbles, q8_0 int8 weights."""
+    if ws.dtype == types.uint8:
+        from .kernels_q4k import item_q4k  # imported here: kernels_q4k builds on this module
+
+        return item_q4k.py_func
     return (_item_q4 if qw.dtype == types.uint8 else _item_q8).py_func
+
+
+def quantize_activations(x, ws):  # pragma: no cover - typing stub, see the overload
+    raise NotImplementedError
+
+
+@overload(quantize_activations, inline="always")
+def _quantize_activations(x, ws):
+    """The activation quantizer the panels' format takes: q8_K per 256 for Q4_K, else q8_0 per 32
+    (quantize_rows). Returns (xq, xs, xc) for the item drivers."""
+    if ws.dtype == types.uint8:
+        from .kernels_q4k import QK_K, quantize_rows_k
+
+        return lambda x, ws: quantize_rows_k(x, ws.shape[1] * QK_K)
+    return lambda x, ws: quantize_rows(x, ws.shape[1] * BLOCK)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -354,10 +374,10 @@ def _gemv_quant_ser(xq, xs, xc, qw, ws, y):
 
 @njit(inline="always")
 def gemv_quant(x, w, y, parallel):
-    """y [M, N] = x [M, K] @ dequant(w).T, w = (qw, ws) panels; callable from numba code
-    (kernels/fused.py) and from Python (through kernels/linear.py)."""
+    """y [M, N] = x [M, K] @ dequant(w).T, w = (qw, ws) panels (q8_0, q4_0 or Q4_K); callable
+    from numba code (kernels/fused.py) and from Python (through kernels/linear.py)."""
     qw, ws = w
-    xq, xs, xc = quantize_rows(x, ws.shape[1] * BLOCK)
+    xq, xs, xc = quantize_activations(x, ws)
     if parallel:
         _gemv_quant_par(xq, xs, xc, qw, ws, y)
     else:

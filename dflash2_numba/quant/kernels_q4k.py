@@ -1,7 +1,7 @@
 """Integer GEMV on Q4_K panels (quant/q4_k.py) with q8_K activations, one micro-kernel per
 instruction set (the paths of kernels_int8.py).
 
-    gemv_q4k(x [M, K] f32, (qw, meta), y [M, N] f32, parallel)    # y = x @ dequant(w).T
+    kernels_int8.gemv_quant(x [M, K] f32, (qw, meta), y [M, N] f32, parallel)   # y = x @ dequant(w).T
 
 1. Activations: llama.cpp's q8_K, per row and 256-block, by ONE function (`quantize_rows_k`,
    every row count and path): quantize_row_q8_K_ref, m = the signed element of largest
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .formats import ITEM_PANELS, PANEL_COLS
+from .formats import PANEL_COLS
 from .kernels_int8 import MODE, VNNI, V, _make_item, ir_fn, ir_half_to_float, ir_splat
 from .q4_k import META_BYTES, QK_K, SUB, nearest_int, unpack_blocks
 
@@ -210,30 +210,9 @@ def _tile(R: int):
     return tile
 
 
-_item = _make_item(_tile(4), _tile(2), _tile(1), GROUP_COLS)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _gemv_q4k_par(xq, xd, xb, qw, meta, y):
-    for b in prange(qw.shape[0] // ITEM_PANELS):
-        _item(xq, xd, xb, qw, meta, y, b)
-
-
-@njit(cache=True, nogil=True)
-def _gemv_q4k_ser(xq, xd, xb, qw, meta, y):
-    for b in range(qw.shape[0] // ITEM_PANELS):
-        _item(xq, xd, xb, qw, meta, y, b)
-
-
-@njit(inline="always")
-def gemv_q4k(x, w, y, parallel):
-    """y [M, N] = x [M, K] @ dequant(w).T, w = (qw, meta) Q4_K panels; numba or Python callers."""
-    qw, meta = w
-    xq, xd, xb = quantize_rows_k(x, meta.shape[1] * QK_K)
-    if parallel:
-        _gemv_q4k_par(xq, xd, xb, qw, meta, y)
-    else:
-        _gemv_q4k_ser(xq, xd, xb, qw, meta, y)
+# the work-item driver; kernels_int8's drivers (_gemv_quant_par / _ser, gemv_quant) pick it for
+# Q4_K panels (uint8 metadata), and its quantize_activations picks quantize_rows_k
+item_q4k = _make_item(_tile(4), _tile(2), _tile(1), GROUP_COLS)
 
 
 # ------------------------------------------------------------------ numpy references

@@ -24,8 +24,7 @@ from ..errors import QuantizeError
 from ..kernels.panels import PANEL_COLS, _gemv_panels_ser, gemv_panels
 from . import formats
 from . import q4_k
-from .kernels_int8 import VNNI, _gemv_quant_ser, gemv_quant, quantize_rows
-from .kernels_q4k import _gemv_q4k_ser, gemv_q4k, quantize_rows_k
+from .kernels_int8 import VNNI, _gemv_quant_ser, gemv_quant, quantize_activations
 
 CHUNK_ELEMS = 1 << 20  # weights quantized per numpy pass (~30 MB of transient numpy scratch: peak RSS)
 PROGRESS_MIN_ELEMS = 1 << 26  # tensors from this size on get a progress line
@@ -132,19 +131,11 @@ def _gemv_weights(x, w, y, parallel):
     only, so a one-thread run never compiles a parfor (prefer_literal: without it numba types
     the call with a plain bool first, and the parallel driver compiled at one thread too)."""
     serial = isinstance(parallel, types.BooleanLiteral) and not parallel.literal_value
-    if _is_q4k(w):
-        if serial:
-            def q4k_serial(x, w, y, parallel):
-                qw, meta = w
-                xq, xd, xb = quantize_rows_k(x, meta.shape[1] * q4_k.QK_K)
-                _gemv_q4k_ser(xq, xd, xb, qw, meta, y)
-            return q4k_serial
-        return lambda x, w, y, parallel: gemv_q4k(x, w, y, parallel)
-    if _is_quant(w):
+    if _is_quant(w):  # q8_0 / q4_0 / Q4_K panels (qw, ws)
         if serial:
             def quant_serial(x, w, y, parallel):
                 qw, ws = w
-                xq, xs, xc = quantize_rows(x, ws.shape[1] * formats.BLOCK)
+                xq, xs, xc = quantize_activations(x, ws)
                 _gemv_quant_ser(xq, xs, xc, qw, ws, y)
             return quant_serial
         return lambda x, w, y, parallel: gemv_quant(x, w, y, parallel)
