@@ -102,6 +102,14 @@ def ir_splat(builder, scalar, vty):
     return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count))
 
 
+def ir_column_sums(builder, prod, V):
+    """<4V x i32> products, 4 per column in a row -> <V x i32> each column's sum (generic path)."""
+    undef = ir.Constant(prod.type, ir.Undefined)
+    part = [builder.shuffle_vector(prod, undef, ir.Constant(ir.VectorType(ir.IntType(32), V),
+                                                            [4 * i + j for i in range(V)])) for j in range(4)]
+    return builder.add(builder.add(part[0], part[1]), builder.add(part[2], part[3]))
+
+
 def ir_half_to_float(builder, h, vi, vf):
     """<V x i16> fp16 bits -> <V x float>, exact, in integer ops and one multiply: the magnitude
     bits shifted into an f32 are the value times 2^-112 (normal and subnormal fp16 alike), so
@@ -186,7 +194,6 @@ def _tile(R: int, G: int, fmt: str):
                 ones16 = ir.Constant(vh, [1] * (2 * V))
             else:
                 vw = ir.VectorType(i32, 4 * V)
-                picks = [ir.Constant(ir.VectorType(i32, V), [4 * i + j for i in range(V)]) for j in range(4)]
 
             def prep(w):
                 """Per weight vector, what every row's dot reuses."""
@@ -206,10 +213,7 @@ def _tile(R: int, G: int, fmt: str):
                     sx = builder.call(psign, [xb, w])  # sign(w) * x, |x| <= 127
                     pairs = builder.call(maddubs, [aux, sx])  # |w| * sign(w) x, pairs <= 32258
                     return builder.add(acc, builder.call(maddwd, [pairs, ones16]))
-                prod = builder.mul(w, builder.sext(xb, vw))  # [4V] int32
-                undef = ir.Constant(vw, ir.Undefined)
-                part = [builder.shuffle_vector(prod, undef, pk) for pk in picks]
-                return builder.add(acc, builder.add(builder.add(part[0], part[1]), builder.add(part[2], part[3])))
+                return builder.add(acc, ir_column_sums(builder, builder.mul(w, builder.sext(xb, vw)), V))
 
             entry = builder.block
             loop = builder.append_basic_block("qtile.b")

@@ -32,7 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .formats import PANEL_COLS
-from .kernels_int8 import MODE, VNNI, V, _make_item, ir_fn, ir_half_to_float, ir_splat
+from .kernels_int8 import MODE, VNNI, V, _make_item, ir_column_sums, ir_fn, ir_half_to_float, ir_splat
 from .q4_k import META_BYTES, QK_K, SUB, nearest_int, unpack_blocks
 
 GROUP_COLS = V  # columns per tile
@@ -133,7 +133,6 @@ def _tile(R: int):
                 ones16 = ir.Constant(vh, [1] * (2 * V))
             else:
                 vw = ir.VectorType(i32, 4 * V)
-                picks = [ir.Constant(ir.VectorType(i32, V), [4 * i + j for i in range(V)]) for j in range(4)]
 
             def dot(acc, xword, w):
                 """acc += per column the 4 products of nibbles w (u8 0..15) and xword's 4 bytes (s8)."""
@@ -143,9 +142,7 @@ def _tile(R: int):
                 if MODE == "avx2":
                     return builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [w, xv]), ones16]))
                 prod = builder.mul(builder.zext(w, vw), builder.sext(xv, vw))  # [4V] int32
-                undef = ir.Constant(vw, ir.Undefined)
-                part = [builder.shuffle_vector(prod, undef, pk) for pk in picks]
-                return builder.add(acc, builder.add(builder.add(part[0], part[1]), builder.add(part[2], part[3])))
+                return builder.add(acc, ir_column_sums(builder, prod, V))
 
             entry = builder.block
             loop = builder.append_basic_block("q4k.b")
