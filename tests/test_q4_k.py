@@ -109,6 +109,16 @@ def test_quantize_refusals():
         quantize_weight(np.zeros((4, 256), np.int32), "q4_k", "layer.w")
 
 
+def test_load_refuses_a_target_too_narrow(tmp_path):
+    """A whole target whose input features are not multiples of 256: a named refusal at load."""
+    from dflash2_numba import tiny
+    from dflash2_numba.api import load_target
+
+    tiny.write_target(tmp_path / "t", seed=0)  # hidden 64
+    with pytest.raises(QuantizeError, match=r"q4_k needs input features .* multiple of 256.*, 64\]"):
+        load_target(tmp_path / "t", quantize="q4_k")
+
+
 # ---------------------------------------------------------------- activations (q8_K)
 def test_activation_quantizer_matches_numpy():
     rng = np.random.default_rng(4)
