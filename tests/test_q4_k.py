@@ -9,7 +9,9 @@ every run, and re-checked against llama.cpp where it is installed), and gguf-py'
 Mutations tried (docs/quantization.md lists them with the tests that turned red):
 - a six-bit scale / min packing error (the high bits of sub-blocks 4..7 from the wrong byte);
 - the quantizer's nearest_int rounding half away from zero instead of ggml's ties-to-even trick;
-- one sub-block's min ignored in the kernel (msum without sub-block 7).
+- one sub-block's min ignored in the kernel (msum without sub-block 7);
+- q8_K activations rounded half away from zero for M > 1 only (row-count dependent);
+- the avx2 path's vpmaddwd multiplier 2 in one lane (caught only by the path test).
 """
 
 from __future__ import annotations
