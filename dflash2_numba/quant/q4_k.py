@@ -38,7 +38,7 @@ So a loaded weight holds 0.578 bytes a weight (llama.cpp's block: 0.5625).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from ..errors import QuantizeError
 from ..numerics import _f32_as_u32
@@ -132,17 +132,17 @@ def scale_min_k4(j, s):
     return (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _quantize_rows(x, out, dd):
     """x [N, K] f32 (K % 256 == 0) -> out [N, K/256, 144] uint8: quantize_row_q4_K_ref per row,
     with d and dmin (fp16 values) in dd [N, K/256, 2] f32 (the caller stores their fp16 bits)."""
     N, K = x.shape
-    L = np.zeros(QK_K, np.uint8)
-    Laux = np.zeros(SUB, np.uint8)
-    wts = np.empty(SUB, np.float32)
-    scales = np.empty(8, np.float32)
-    mins = np.empty(8, np.float32)
-    for n in range(N):
+    for n in prange(N):  # rows are independent: the bytes do not depend on the thread count
+        L = np.zeros(QK_K, np.uint8)
+        Laux = np.zeros(SUB, np.uint8)
+        wts = np.empty(SUB, np.float32)
+        scales = np.empty(8, np.float32)
+        mins = np.empty(8, np.float32)
         for b in range(K // QK_K):
             xb = x[n, b * QK_K:(b + 1) * QK_K]
             y = out[n, b]
