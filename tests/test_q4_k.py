@@ -94,6 +94,12 @@ def test_bytes_equal_llamacpp_quantizer():
     assert np.array_equal(q4_k.quantize_q4_k(h), llama_refs.quantize(h.astype(np.float32)))
 
 
+def test_parallel_quantizer_same_bytes(monkeypatch):
+    """Big tensors take the parallel quantizer (rows over threads): the same bytes."""
+    monkeypatch.setattr(q4_k, "PARALLEL_MIN_ELEMS", 0)
+    assert np.array_equal(q4_k.quantize_q4_k(golden_input()), np.load(GOLDEN)["blocks"])
+
+
 def test_dequantize_matches_gguf_py():
     """Our reading of the block (scales / mins unpacking, nibble order) == gguf-py's Q4_K reader."""
     gq = pytest.importorskip("gguf.quants")

@@ -132,62 +132,78 @@ def scale_min_k4(j, s):
     return (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
 
 
+@njit(inline="always")
+def _quantize_row(x, out, dd, n):
+    """Row n of x [N, K] f32 (K % 256 == 0) -> out[n] [K/256, 144] uint8: quantize_row_q4_K_ref,
+    with d and dmin (fp16 values) in dd[n] [K/256, 2] f32 (the caller stores their fp16 bits)."""
+    K = x.shape[1]
+    L = np.zeros(QK_K, np.uint8)
+    Laux = np.zeros(SUB, np.uint8)
+    wts = np.empty(SUB, np.float32)
+    scales = np.empty(8, np.float32)
+    mins = np.empty(8, np.float32)
+    for b in range(K // QK_K):
+        xb = x[n, b * QK_K:(b + 1) * QK_K]
+        y = out[n, b]
+        max_scale, max_min = np.float32(0.0), np.float32(0.0)
+        for j in range(8):
+            xs = xb[SUB * j:SUB * (j + 1)]
+            sum_x2 = np.float32(0.0)
+            for i in range(SUB):
+                sum_x2 += xs[i] * xs[i]
+            av_x = np.float32(np.sqrt(sum_x2 / np.float32(32.0)))
+            for i in range(SUB):
+                wts[i] = av_x + abs(xs[i])
+            scales[j], mins[j] = make_qkx2_quants(xs, wts, L[SUB * j:SUB * (j + 1)], Laux, 15,
+                                                  np.float32(-1.0), np.float32(0.1), 20)
+            if scales[j] > max_scale:
+                max_scale = scales[j]
+            if mins[j] > max_min:
+                max_min = mins[j]
+        inv_scale = np.float32(63.0) / max_scale if max_scale > np.float32(0.0) else np.float32(0.0)
+        inv_min = np.float32(63.0) / max_min if max_min > np.float32(0.0) else np.float32(0.0)
+        s = y[4:16]
+        for j in range(8):
+            ls = min(63, nearest_int(inv_scale * scales[j]) & 255)  # (uint8_t) then MIN
+            lm = min(63, nearest_int(inv_min * mins[j]) & 255)
+            if j < 4:
+                s[j] = ls
+                s[j + 4] = lm
+            else:
+                s[j + 4] = (ls & 15) | ((lm & 15) << 4)
+                s[j - 4] |= (ls >> 4) << 6
+                s[j] |= (lm >> 4) << 6
+        d = round_f16(max_scale / np.float32(63.0))  # GGML_FP32_TO_FP16, read back as f32
+        dmin = round_f16(max_min / np.float32(63.0))
+        dd[n, b, 0], dd[n, b, 1] = d, dmin
+        for j in range(8):
+            sc, m = scale_min_k4(j, s)
+            dj = d * np.float32(sc)
+            if dj == np.float32(0.0):
+                continue  # L keeps make_qkx2_quants' levels, as in the C code
+            dm = dmin * np.float32(m)
+            for i in range(SUB):
+                L[SUB * j + i] = _clamp(nearest_int((xb[SUB * j + i] + dm) / dj), 15)
+        for c in range(4):
+            for i in range(32):
+                y[16 + 32 * c + i] = L[64 * c + i] | (L[64 * c + 32 + i] << 4)
+
+
+@njit(cache=True, nogil=True)
+def _quantize_rows_ser(x, out, dd):
+    for n in range(x.shape[0]):
+        _quantize_row(x, out, dd, n)
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _quantize_rows(x, out, dd):
-    """x [N, K] f32 (K % 256 == 0) -> out [N, K/256, 144] uint8: quantize_row_q4_K_ref per row,
-    with d and dmin (fp16 values) in dd [N, K/256, 2] f32 (the caller stores their fp16 bits)."""
-    N, K = x.shape
-    for n in prange(N):  # rows are independent: the bytes do not depend on the thread count
-        L = np.zeros(QK_K, np.uint8)
-        Laux = np.zeros(SUB, np.uint8)
-        wts = np.empty(SUB, np.float32)
-        scales = np.empty(8, np.float32)
-        mins = np.empty(8, np.float32)
-        for b in range(K // QK_K):
-            xb = x[n, b * QK_K:(b + 1) * QK_K]
-            y = out[n, b]
-            max_scale, max_min = np.float32(0.0), np.float32(0.0)
-            for j in range(8):
-                xs = xb[SUB * j:SUB * (j + 1)]
-                sum_x2 = np.float32(0.0)
-                for i in range(SUB):
-                    sum_x2 += xs[i] * xs[i]
-                av_x = np.float32(np.sqrt(sum_x2 / np.float32(32.0)))
-                for i in range(SUB):
-                    wts[i] = av_x + abs(xs[i])
-                scales[j], mins[j] = make_qkx2_quants(xs, wts, L[SUB * j:SUB * (j + 1)], Laux, 15,
-                                                      np.float32(-1.0), np.float32(0.1), 20)
-                if scales[j] > max_scale:
-                    max_scale = scales[j]
-                if mins[j] > max_min:
-                    max_min = mins[j]
-            inv_scale = np.float32(63.0) / max_scale if max_scale > np.float32(0.0) else np.float32(0.0)
-            inv_min = np.float32(63.0) / max_min if max_min > np.float32(0.0) else np.float32(0.0)
-            s = y[4:16]
-            for j in range(8):
-                ls = min(63, nearest_int(inv_scale * scales[j]) & 255)  # (uint8_t) then MIN
-                lm = min(63, nearest_int(inv_min * mins[j]) & 255)
-                if j < 4:
-                    s[j] = ls
-                    s[j + 4] = lm
-                else:
-                    s[j + 4] = (ls & 15) | ((lm & 15) << 4)
-                    s[j - 4] |= (ls >> 4) << 6
-                    s[j] |= (lm >> 4) << 6
-            d = round_f16(max_scale / np.float32(63.0))  # GGML_FP32_TO_FP16, read back as f32
-            dmin = round_f16(max_min / np.float32(63.0))
-            dd[n, b, 0], dd[n, b, 1] = d, dmin
-            for j in range(8):
-                sc, m = scale_min_k4(j, s)
-                dj = d * np.float32(sc)
-                if dj == np.float32(0.0):
-                    continue  # L keeps make_qkx2_quants' levels, as in the C code
-                dm = dmin * np.float32(m)
-                for i in range(SUB):
-                    L[SUB * j + i] = _clamp(nearest_int((xb[SUB * j + i] + dm) / dj), 15)
-            for c in range(4):
-                for i in range(32):
-                    y[16 + 32 * c + i] = L[64 * c + i] | (L[64 * c + 32 + i] << 4)
+def _quantize_rows_par(x, out, dd):
+    """Rows on every thread: each row's bytes are computed alone (the same for any thread count).
+    Used for big tensors only: its parfor costs ~3 s more to compile than the serial loop."""
+    for n in prange(x.shape[0]):
+        _quantize_row(x, out, dd, n)
+
+
+PARALLEL_MIN_ELEMS = 1 << 22  # ~0.3 s of serial quantizing
 
 
 def check(w, name: str) -> None:
@@ -214,7 +230,7 @@ def quantize_q4_k(w: np.ndarray, name: str = "weight") -> np.ndarray:
     x = as_f32(w, name)
     out = np.zeros((x.shape[0], x.shape[1] // QK_K, BLOCK_BYTES), np.uint8)
     dd = np.zeros((x.shape[0], x.shape[1] // QK_K, 2), np.float32)
-    _quantize_rows(x, out, dd)
+    (_quantize_rows_par if x.size >= PARALLEL_MIN_ELEMS else _quantize_rows_ser)(x, out, dd)
     out[:, :, 0:4] = dd.astype(np.float16).view(np.uint8)  # exact: the values are fp16 already
     return out
 

@@ -81,7 +81,7 @@ def _quantize_q4_k(w: np.ndarray, name: str) -> QuantizedWeight:
     """Q4_K: llama.cpp's block bytes (quant/q4_k.py), in chunks of rows, then the panels."""
     q4_k.check(w, name)
     N, K = w.shape
-    rows = max(1, CHUNK_ELEMS // K)
+    rows = max(1, 8 * CHUNK_ELEMS // K)  # f32 + block bytes: ~36 MB; big enough for the parallel quantizer
     blocks = np.empty((N, K // q4_k.QK_K, q4_k.BLOCK_BYTES), np.uint8)
     t0, loud = time.perf_counter(), w.size >= PROGRESS_MIN_ELEMS
     for n0 in range(0, N, rows):
