@@ -3,7 +3,7 @@ greedy, every configuration in ONE run on one loaded target.
 
     python bench/acceptance.py [--target DIR] [--dflash2 DIR] [--dflash DIR] [--prompts PATH]
         [--n-prompts 32] [--max-new-tokens 128] [--block-sizes 4,8] [--threads 1]
-        [--quantize bf16|q8_0|q4_0] [--out bench/results/acceptance.json]
+        [--quantize bf16|q8_0|q4_0|q4_k] [--out bench/results/acceptance.json]
 
 --quantize loads the pair in that weight format (both drafts follow the target's); the default
 --out then gets the format's suffix (acceptance_q8_0.json) and the settings name the
@@ -183,7 +183,7 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=1, help="numba threads (default 1)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
-    ap.add_argument("--quantize", default="bf16", choices=["bf16", "q8_0", "q4_0"])
+    ap.add_argument("--quantize", default="bf16", choices=["bf16", "q8_0", "q4_0", "q4_k"])
     ap.add_argument("--out", type=Path, default=None)
     return ap.parse_args(argv)
 

@@ -1,6 +1,6 @@
 """Greedy decode speed side by side, one run, same weights: this project vs llama.cpp vs transformers.
 
-    python bench/bench_vs_llamacpp.py [--model dense|moe] [--quantize bf16|q8_0|q4_0] [--rounds 5] [--tokens 128] [--threads 1,2] [--prompt-len 16]
+    python bench/bench_vs_llamacpp.py [--model dense|moe] [--quantize bf16|q8_0|q4_0|q4_k] [--rounds 5] [--tokens 128] [--threads 1,2] [--prompt-len 16]
         [--engines dflash2-numba,llama.cpp,transformers] [--check-tokens 32] [--bw-gib 1]
         [--cache-dir DIR] [--out bench/results/vs_llamacpp.json] [--llama-no-extra-bufts]
 
@@ -54,6 +54,11 @@ GGUF made by ITS OWN quantizer (llama_model_quantize) from the bf16 GGUF above, 
 tensor in the same format (output_tensor_type; llama.cpp would otherwise pick Q6_K for a q4_0
 head) and the token embedding kept bf16 (token_embedding_type; it is only gathered, and this
 project keeps it as stored), so both compute the same model and read the same bytes per token. transformers is skipped (no q8_0 / q4_0 there).
+--quantize q4_k: llama.cpp's file type Q4_K_M with `pure` set (llama.cpp's Q4_K_M / Q4_K_S would put
+Q6_K / Q5_K in some layers) and the output tensor Q4_K: every matrix Q4_K on both sides. Before timing,
+each Q4_K tensor of llama.cpp's GGUF (gguf.GGUFReader) is compared with this project's quantizer on the
+same safetensors tensor (check_q4_k_bytes: they must be equal byte for byte, else the run stops); the
+JSON records the check under engines.llama.cpp.q4_k_gguf_vs_ours.
 The default --out then gets the format's suffix (vs_llamacpp_q8_0.json), and the JSON records
 the instruction-set path the integer kernels compiled for (kernels/isa.py; DFLASH2_ISA=avx2
 forces a lower one).
@@ -92,7 +97,7 @@ ENGINES = ("dflash2-numba", "llama.cpp", "transformers")
 GGUF_LAYOUT = 1  # bump when write_gguf writes something different: cached GGUFs are rewritten
 MUST_AGREE = 4  # the first tokens that must agree with ours, else the GGUF (or the model) is wrong
 # llama.cpp's file type and ggml tensor type per format (llama.h LLAMA_FTYPE_MOSTLY_*, ggml.h GGML_TYPE_*)
-QUANT_TYPES = {"q8_0": (7, 8), "q4_0": (2, 2)}
+QUANT_TYPES = {"q8_0": (7, 8), "q4_0": (2, 2), "q4_k": (15, 12)}  # q4_k: Q4_K_M's ftype, made pure (below)
 QUANT_TYPES_NAMES = tuple(QUANT_TYPES)
 GGML_TYPE_BF16 = 30
 
@@ -388,12 +393,40 @@ def quantized_gguf(src_dir: Path, fmt: str) -> Path:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.output_tensor_type = QUANT_TYPES[fmt]
     params.token_embedding_type = GGML_TYPE_BF16  # the embedding stays as stored, as ours does
+    params.pure = fmt == "q4_k"  # every matrix Q4_K: no Q6_K / Q5_K mix of Q4_K_M / Q4_K_S
     tmp = out.with_suffix(".tmp")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({src}, {fmt}) returned {rc}")
     tmp.replace(out)
     return out
+
+
+def check_q4_k_bytes(src_dir: Path, gguf_path: Path) -> dict:
+    """Every matrix of llama.cpp's q4_k GGUF is Q4_K and holds the bytes this project's quantizer
+    (quant/q4_k.py) makes of the same safetensors tensor: the same weights on both sides."""
+    import gguf
+
+    from dflash2_numba.quant.q4_k import quantize_q4_k
+
+    cfg = read_target_config(src_dir)
+    names = gguf_tensor_names(cfg.num_hidden_layers, cfg.tie_word_embeddings)
+    ck = open_checkpoint(src_dir)
+    reader = gguf.GGUFReader(str(gguf_path))
+    by_name = {t.name: t for t in reader.tensors}
+    checked, differ = 0, []
+    for hf_name, gg_name in names.items():
+        if ck.info(hf_name).shape.__len__() != 2 or gg_name == "token_embd.weight":
+            continue
+        t = by_name[gg_name]
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
+            differ.append(f"{gg_name}: {t.tensor_type.name}")
+            continue
+        ours = quantize_q4_k(ck.get(hf_name), hf_name)
+        if not np.array_equal(np.asarray(t.data).reshape(-1).view(np.uint8), ours.reshape(-1)):
+            differ.append(f"{gg_name}: bytes differ")
+        checked += 1
+    return {"matrices_checked": checked, "all_q4_k_and_bytes_equal": not differ, "differ": differ[:5]}
 
 
 def weight_bytes_per_token(src_dir: Path, fmt: str = "bf16") -> int:
@@ -445,6 +478,12 @@ class NumbaEngine:
     def decode(self, prompt: list[int], n: int) -> tuple[list[int], float]:
         return decode(self.target, np.asarray(prompt, dtype=np.int64), n)
 
+    def prompt_logits(self, prompt: list[int]) -> np.ndarray:
+        """The logits [V] after the prompt (what the first greedy token is picked from)."""
+        logits, _ = self.target.forward(np.asarray(prompt, np.int64), self.target.new_cache(len(prompt) + 8),
+                                        last_only=True)
+        return np.asarray(logits[-1], np.float64)
+
 
 class LlamaCppEngine:
     name = "llama.cpp"
@@ -457,6 +496,9 @@ class LlamaCppEngine:
         t0 = time.perf_counter()
         path = cached_gguf(src_dir) if args.quantize == "bf16" else quantized_gguf(src_dir, args.quantize)
         self.gguf_s = time.perf_counter() - t0  # 0 unless written now
+        self.same_bytes = check_q4_k_bytes(src_dir, path) if args.quantize == "q4_k" else None
+        if self.same_bytes is not None and not self.same_bytes["all_q4_k_and_bytes_equal"]:
+            raise RuntimeError(f"llama.cpp's q4_k GGUF is not this project's Q4_K: {self.same_bytes}")
         n0 = args.threads[0]
         n_ctx = max(512, args.prompt_len + max(args.tokens, args.check_tokens) + 16)
         kw = dict(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=n0, n_threads_batch=n0,
@@ -487,6 +529,11 @@ class LlamaCppEngine:
         got = self.llama_cpp.llama_n_threads(self.llm._ctx.ctx)
         if got != n:
             raise RuntimeError(f"llama_set_n_threads({n}) left llama.cpp at {got} threads")
+
+    def prompt_logits(self, prompt: list[int]) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(list(prompt))
+        return self._last_logits().astype(np.float64)
 
     def _last_logits(self) -> np.ndarray:
         ptr = self.llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
@@ -611,6 +658,8 @@ def engine_facts(e) -> dict:
     facts = {"load_s": e.load_s}
     if e.name == "llama.cpp":
         facts.update(gguf_check_or_write_s=e.gguf_s, use_extra_bufts=e.use_extra_bufts)
+        if e.same_bytes is not None:
+            facts["q4_k_gguf_vs_ours"] = e.same_bytes
     return facts
 
 
@@ -657,7 +706,7 @@ def main(args) -> int:
     print(f"measuring memory read bandwidth ({args.bw_gib:g} GiB array, threads {args.threads}) ...", file=sys.stderr)
     bw_before = read_bandwidth(args.threads, args.bw_gib)
 
-    results, agree, reference, hf_f32 = {}, {}, {}, None
+    results, agree, reference, hf_f32, first_logits = {}, {}, {}, None, {}
     for t in args.threads:
         for e in engines:
             e.set_threads(t)
@@ -668,6 +717,14 @@ def main(args) -> int:
             warm[e.name], _ = e.decode(prompt, n_warm)
             time.sleep(args.pause)
         ref = warm["dflash2-numba"]
+        if not first_logits:  # how close the two engines' numbers are, beyond the argmax
+            ours = engines[0].prompt_logits(prompt)
+            for e in engines[1:]:
+                if hasattr(e, "prompt_logits"):
+                    z = e.prompt_logits(prompt)[:ours.shape[0]]
+                    first_logits[e.name] = {"max_abs_diff_over_max_abs": float(np.abs(z - ours).max() / np.abs(ours).max()),
+                                            "correlation": float(np.corrcoef(z, ours)[0, 1]),
+                                            "same_argmax": bool(z.argmax() == ours.argmax())}
         reference[str(t)] = ref[:args.check_tokens]
         agree[str(t)] = {n: agreement(ref, warm[n], args.check_tokens) for n in names if n != "dflash2-numba"}
         if "transformers" in warm:  # torch computes in bf16: the same-model check runs it in f32
@@ -714,10 +771,16 @@ def main(args) -> int:
 
     # ---- report
     failed = []
+    same_weights = any(getattr(e, "same_bytes", None) for e in engines)  # q4_k: set only when equal
     for t, per in agree.items():
         for n, a in per.items():
             if not a["ok"]:
-                if n == "llama.cpp":
+                if n == "llama.cpp" and same_weights:  # bytes proven equal: a parting, not a wrong file
+                    warnings.append(f"llama.cpp at {t} threads parts from dflash2-numba after {a['prefix_agree']} "
+                                    "greedy tokens; its Q4_K tensors are byte-identical to ours (checked before "
+                                    "timing), so the difference is the computation (activation rounding, f16 KV "
+                                    "cache, summation order) on this random model's flat logits")
+                elif n == "llama.cpp":
                     failed.append(f"llama.cpp at {t} threads: its first greedy tokens differ from dflash2-numba's "
                                   f"(agree for {a['prefix_agree']} of the first {MUST_AGREE}) -> the GGUF conversion "
                                   "is WRONG")
@@ -756,6 +819,9 @@ def main(args) -> int:
                 b = a["f32_vs_dflash2_numba"]
                 print(f"    ({n} is timed in bf16; the same model loaded in float32 (untimed) agrees on "
                       f"{b['positions_agree']}/{b['compared']} positions, identical prefix {b['prefix_agree']})")
+    for n, v in first_logits.items():
+        print(f"logits after the prompt, {n} vs dflash2-numba: max|diff| {v['max_abs_diff_over_max_abs']:.3g} of "
+              f"max|logit|, correlation {v['correlation']:.5f}, same argmax {v['same_argmax']}")
     for w in warnings:
         print(f"warning: {w}")
     not_same = sorted({(x["engine"], t) for t, r in results.items()
@@ -776,7 +842,7 @@ def main(args) -> int:
         "load_average": {"before": list(load_before), "after": list(load_after)},
         "read_bandwidth": bandwidth, "results": results,
         "agreement": agree, "reference_tokens": reference, "transformers_f32_tokens": hf_f32,
-        "agreement_failures": failed, "warnings": warnings,
+        "agreement_failures": failed, "warnings": warnings, "prompt_logits_vs_ours": first_logits,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -1,7 +1,7 @@
 """Cold start of the README's first command, as a new user meets it (issue 16 item 6).
 
     python bench/cold_start.py [--warm-runs 2] [--out bench/results/cold_start.json]
-                               [--source .] [--keep]
+                               [--source .] [--keep] [--quantize q4_k]
 
 1. a fresh venv (--system-site-packages: the dependencies come from this interpreter) and
    `pip install --no-deps .` into it: a NON-editable install into its site-packages, as the
@@ -102,12 +102,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cold_start.json")
     ap.add_argument("--label", default="", help="a note stored with the results (e.g. the commit)")
     ap.add_argument("--keep", action="store_true", help="keep the temp venv / caches")
+    ap.add_argument("--quantize", default=None, help="append `--quantize FMT` to the command (its kernels' cost)")
     args = ap.parse_args()
+    command = README_ARGS + (["--quantize", args.quantize] if args.quantize else [])
 
     tmp = Path(tempfile.mkdtemp(prefix="dflash2-cold-"))
     try:
         py = make_venv(tmp / "venv", args.source.resolve())
-        exe = [str(tmp / "venv" / "bin" / "dflash2-decode"), *README_ARGS]
+        exe = [str(tmp / "venv" / "bin" / "dflash2-decode"), *command]
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
         base_env["DFLASH2_CACHE"] = str(tmp / "dflash2-cache")  # the tiny-pair fallback, if any
         runs = []
@@ -137,7 +139,7 @@ def main() -> None:
         result = {
             "label": args.label,
             "command": "pip install . && dflash2-decode " + " ".join(
-                a if " " not in a else repr(a) for a in README_ARGS),
+                a if " " not in a else repr(a) for a in command),
             "cpu": cpu_model(),
             "llvm_host_cpu": llvm.get_host_cpu_name(),
             "numba": numba.__version__,

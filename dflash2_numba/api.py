@@ -18,11 +18,11 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("f32", "bf16")
 
 
-QUANTIZE = ("bf16", "q8_0", "q4_0")  # "bf16": the weights as stored
+QUANTIZE = ("bf16", "q8_0", "q4_0", "q4_k")  # "bf16": the weights as stored
 
 
 def _quantize_arg(quantize):
-    """None / "bf16" / "none" -> None (as stored); "q8_0" / "q4_0" pass; anything else refused."""
+    """None / "bf16" / "none" -> None (as stored); "q8_0" / "q4_0" / "q4_k" pass; anything else refused."""
     if quantize in (None, "bf16", "none"):
         return None
     if quantize not in QUANTIZE:
@@ -33,7 +33,7 @@ def _quantize_arg(quantize):
 def load_target(model_dir, device: str = "cpu", dtype: str = "f32", quantize: str | None = None,
                 keep_head: bool = False):
     """A Hugging Face target directory (any family in `families.FAMILIES`) -> its model with
-    `.tokenizer` attached. quantize "q8_0" / "q4_0": every linear weight (the lm_head too,
+    `.tokenizer` attached. quantize "q8_0" / "q4_0" / "q4_k": every linear weight (the lm_head too,
     unless keep_head) is quantized at load with llama.cpp's block math (Qwen3 / Llama targets)."""
     quantize = _quantize_arg(quantize)
     if device not in DEVICES:
@@ -87,7 +87,7 @@ def draft_kind(draft_dir) -> str:
 
 def load_draft(draft_dir, target, quantize: str | None = "same"):
     """A DFlash (v1) or DFlash2 draft directory, paired with a loaded target. quantize: "same"
-    (the target's weight format), "bf16" (as stored), "q8_0", "q4_0". Draft activations stay f32."""
+    (the target's weight format), "bf16" (as stored), "q8_0", "q4_0", "q4_k". Draft activations stay f32."""
     kind = draft_kind(draft_dir)
     from .models import draft as draft_models  # lazy: the model module is heavy
 

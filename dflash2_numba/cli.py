@@ -140,8 +140,8 @@ def _read_prompt(prompt, prompt_file, prompt_ids):
 
 
 def _quantize_option(f):
-    return click.option("--quantize", type=click.Choice(["bf16", "q8_0", "q4_0"]), default="bf16", show_default=True,
-                        help="Weight format: bf16 = as stored; q8_0 / q4_0 = llama.cpp's blocks, quantized at load "
+    return click.option("--quantize", type=click.Choice(["bf16", "q8_0", "q4_0", "q4_k"]), default="bf16", show_default=True,
+                        help="Weight format: bf16 = as stored; q8_0 / q4_0 / q4_k = llama.cpp's blocks, quantized at load "
                              "(target and draft, lm_head included).")(f)
 
 

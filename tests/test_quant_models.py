@@ -37,8 +37,28 @@ def pair(tmp_path_factory):
     numba.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_weights_are_replaced_not_copied(pair, fmt):
+@pytest.fixture(scope="module")
+def pair256(tmp_path_factory):
+    """The same kind of pair 256 wide: q4_k needs input features a multiple of 256."""
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    root = tmp_path_factory.mktemp("quant_pair256")
+    tiny.write_target(root / "t", seed=0, init_std=0.1, dtype="bf16", hidden_size=256, intermediate_size=512,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    tiny.write_draft(root / "d", root / "t", kind="dflash2", block_size=8, seed=1, dtype="bf16",
+                     intermediate_size=256)
+    yield root / "t", root / "d"
+    numba.set_num_threads(threads)
+
+
+@pytest.fixture(params=["q8_0", "q4_0", "q4_k"])
+def fmt_pair(request):
+    """(format, pair directories): q4_k on the 256-wide pair, the others on the 64-wide one."""
+    return request.param, request.getfixturevalue("pair256" if request.param == "q4_k" else "pair")
+
+
+def test_weights_are_replaced_not_copied(fmt_pair):
+    fmt, pair = fmt_pair
     target = load_target(pair[0], quantize=fmt)
     draft = load_draft(pair[1], target)
     for L in target.layers + draft.layers:
@@ -57,8 +77,8 @@ def test_refusals(pair):
         load_target(pair[0], quantize="q3_k")
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_greedy_speculative_equals_target_only(pair, fmt):
+def test_greedy_speculative_equals_target_only(fmt_pair):
+    fmt, pair = fmt_pair
     target = load_target(pair[0], quantize=fmt)
     draft = load_draft(pair[1], target)
     prompt = list(range(5, 30))
@@ -67,10 +87,10 @@ def test_greedy_speculative_equals_target_only(pair, fmt):
         assert generate(target, draft, prompt_ids=prompt, max_new_tokens=48, block_size=Q).output_ids == ref
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_verify_rows_equal_single_steps(pair, fmt):
+def test_verify_rows_equal_single_steps(fmt_pair):
     """The logits of an 8-row verify block == those of 8 one-row steps, bit for bit, and a
     40-row prefill (the > 32-row path) == the same tokens fed 8 at a time."""
+    fmt, pair = fmt_pair
     target = load_target(pair[0], quantize=fmt)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, target.valid_vocab, 48)
@@ -96,7 +116,7 @@ def test_speculative_sampling_matches_exact_distribution(pair):
     assert gof_pvalue(spec, exact, 1500) > 1e-3
 
 
-@pytest.mark.parametrize("fmt", [None, "q8_0"])
+@pytest.mark.parametrize("fmt", [None, "q8_0", "q4_k"])
 def test_shipped_target_verify_rows_equal_single_steps(fmt):
     """The shipped default target on a held-out prompt: 4-row verify blocks == one-row steps bit
     for bit over 48 positions (before attention's causal rows stopped at their last visible key,

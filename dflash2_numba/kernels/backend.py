@@ -106,11 +106,11 @@ class Ops:
     swiglu: Callable = layers.swiglu
     short_conv: Callable = gdn.short_conv  # Gated DeltaNet targets (families/qwen3_5.py)
     gated_delta: Callable = gdn.gated_delta_rule
-    quantize: str | None = None  # "q8_0" / "q4_0": the linear weights' format (None: as stored)
+    quantize: str | None = None  # "q8_0" / "q4_0" / "q4_k": the linear weights' format (None: as stored)
     prepare_head: Callable | None = None  # None: the head is prepared like every other weight
 
 
-QUANTIZE = (None, "q8_0", "q4_0")
+QUANTIZE = (None, "q8_0", "q4_0", "q4_k")
 
 
 def _keep_stored(prepare: Callable) -> Callable:
@@ -153,10 +153,10 @@ def _conv_kernels():
 
 
 def get_ops(device: str = "cpu", quantize: str | None = None, keep_head: bool = False) -> Ops:
-    """quantize: None (weights as stored) | "q8_0" | "q4_0" (CPU only); keep_head: the lm_head
+    """quantize: None (weights as stored) | "q8_0" | "q4_0" | "q4_k" (CPU only); keep_head: the lm_head
     stays as stored (packed bf16) when the rest is quantized."""
     if quantize not in QUANTIZE:
-        raise GenerationArgumentError(f"quantize {quantize!r}: expected one of none, q8_0, q4_0")
+        raise GenerationArgumentError(f"quantize {quantize!r}: expected one of none, q8_0, q4_0, q4_k")
     if quantize is not None and device != "cpu":
         raise GenerationArgumentError(f"--quantize {quantize} runs on the cpu device, not {device!r}")
     if device == "cpu":

@@ -33,11 +33,11 @@ FINGERPRINT_FILE = "dflash2_kernel_sources.sha256"
 def _kernel_modules():
     from . import attention, conv, fused, fused_moe, gdn, linear, panels, routing, rowwise
     from ..models import selector  # its top-K / walk kernels are cached too
-    from ..quant import kernels_int8, weights
+    from ..quant import kernels_int8, kernels_q4k, q4_k, weights
     from ..quant import bytes_kernel, int4, w8a8  # pre-quantized checkpoints' kernels (quant/stored.py)
 
     return (attention, conv, fused, fused_moe, gdn, linear, panels, routing, rowwise, selector, kernels_int8, weights,
-            bytes_kernel, int4, w8a8)
+            kernels_q4k, q4_k, bytes_kernel, int4, w8a8)
 
 
 @functools.lru_cache(maxsize=None)

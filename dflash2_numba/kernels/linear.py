@@ -27,6 +27,7 @@ from numba.extending import overload
 
 from ..numerics import as_f32, bf16_to_f32
 from ..quant.kernels_int8 import _gemv_quant_par, _gemv_quant_ser, quantize_rows_entry
+from ..quant.kernels_q4k import quantize_rows_k_entry
 from ..quant.stored import StoredWeight
 from ..quant.weights import QuantizedWeight
 from .panels import _gemv_panels_par, _gemv_panels_ser
@@ -205,11 +206,13 @@ def _linear_chunked(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def linear_quantized(x: np.ndarray, w: QuantizedWeight, y: np.ndarray) -> np.ndarray:
-    """y [M, N] = x [M, K] @ w.T on the integer kernels (quant/kernels_int8.py), any M."""
+    """y [M, N] = x [M, K] @ w.T on the integer kernels (quant/kernels_int8.py, kernels_q4k.py), any M."""
     qw, ws = w.panels
-    xq, xs, xc = quantize_rows_entry(x, ws.shape[1] * 32)
-    N = w.shape[0]
-    (_gemv_quant_par if use_parallel(x.shape[0] * N * x.shape[1]) else _gemv_quant_ser)(xq, xs, xc, qw, ws, y)
+    if w.format == "q4_k":  # q8_K activations per 256 (quant/kernels_q4k.py)
+        xq, xs, xc = quantize_rows_k_entry(x, ws.shape[1] * 256)
+    else:
+        xq, xs, xc = quantize_rows_entry(x, ws.shape[1] * 32)
+    (_gemv_quant_par if use_parallel(x.shape[0] * w.shape[0] * x.shape[1]) else _gemv_quant_ser)(xq, xs, xc, qw, ws, y)
     return y
 
 
@@ -221,7 +224,7 @@ def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if Kw != K:
         raise ValueError(f"linear: x has {K} features, weight has {Kw} columns (shape {list(w.shape)})")
     y = np.empty((M, N), dtype=np.float32) if out is None else out
-    if isinstance(w, QuantizedWeight):  # q8_0 / q4_0 panels: every row count, prefill included
+    if isinstance(w, QuantizedWeight):  # q8_0 / q4_0 / q4_k panels: every row count, prefill included
         return linear_quantized(x, w, y)
     if isinstance(w, StoredWeight):  # a pre-quantized checkpoint's weight (quant/stored.py), any M
         return w.linear(x, y, M > 0 and use_parallel(M * N * K))

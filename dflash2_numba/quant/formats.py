@@ -35,11 +35,11 @@ import numpy as np
 from ..errors import QuantizeError
 
 BLOCK = 32
-FORMATS = ("q8_0", "q4_0")
+FORMATS = ("q8_0", "q4_0", "q4_k")  # q4_k: quant/q4_k.py (256-weight super-blocks)
 PANEL_COLS = 32
 ITEM_PANELS = 4
 ITEM_COLS = PANEL_COLS * ITEM_PANELS
-BYTES_PER_WEIGHT = {"bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # llama.cpp's block sizes
+BYTES_PER_WEIGHT = {"bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_k": 144 / 256}  # llama.cpp's block sizes
 
 
 def _blocks(w: np.ndarray) -> np.ndarray:
@@ -128,9 +128,12 @@ def pack(q: np.ndarray, d: np.ndarray, fmt: str, unsigned: bool) -> tuple[np.nda
 # ------------------------------------------------------------------ memory estimates (inspect)
 def resident_bytes_per_weight(fmt: str) -> float:
     """Bytes a loaded matrix weight holds per parameter in this project's layouts: bf16 panels
-    2; q8_0 1 + an fp16 scale per 32 (llama.cpp's 34 bytes a block); q4_0 1/2 + the same (18)."""
+    2; q8_0 1 + an fp16 scale per 32 (llama.cpp's 34 bytes a block); q4_0 1/2 + the same (18);
+    q4_k 1/2 + 20 bytes per 256 (six-bit scales and mins kept a byte each, fp16 d and dmin)."""
     if fmt == "bf16":
         return 2.0
+    if fmt == "q4_k":
+        return 0.5 + 20 / 256
     return (1.0 if fmt == "q8_0" else 0.5) + 2 / BLOCK
 
 

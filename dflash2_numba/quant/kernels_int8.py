@@ -95,6 +95,42 @@ def quantize_rows(x, Kp):
     return xq, xs, xc
 
 
+# ------------------------------------------------------------------ LLVM IR helpers (also kernels_q4k.py)
+def ir_fn(builder, name, ret, argtys):
+    """Declare (once per module) and return the LLVM function `name`."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
+
+
+def ir_splat(builder, scalar, vty):
+    """<n x T> of `scalar` in every lane."""
+    undef = ir.Constant(vty, ir.Undefined)
+    one = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count))
+
+
+def ir_column_sums(builder, prod, V):
+    """<4V x i32> products, 4 per column in a row -> <V x i32> each column's sum (generic path)."""
+    undef = ir.Constant(prod.type, ir.Undefined)
+    part = [builder.shuffle_vector(prod, undef, ir.Constant(ir.VectorType(ir.IntType(32), V),
+                                                            [4 * i + j for i in range(V)])) for j in range(4)]
+    return builder.add(builder.add(part[0], part[1]), builder.add(part[2], part[3]))
+
+
+def ir_half_to_float(builder, h, vi, vf):
+    """<V x i16> fp16 bits -> <V x float>, exact, in integer ops and one multiply: the magnitude
+    bits shifted into an f32 are the value times 2^-112 (normal and subnormal fp16 alike), so
+    times 2^112 is the value; then the sign. (LLVM's fpext from half needs F16C or a runtime
+    call numba's JIT lacks; scales are never inf or NaN.)"""
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    w = builder.zext(h, vi)
+    mag = builder.shl(builder.and_(w, ir_splat(builder, ir.Constant(i32, 0x7FFF), vi)),
+                      ir_splat(builder, ir.Constant(i32, 13), vi))
+    sign = builder.shl(builder.and_(w, ir_splat(builder, ir.Constant(i32, 0x8000), vi)),
+                       ir_splat(builder, ir.Constant(i32, 16), vi))
+    val = builder.fmul(builder.bitcast(mag, vf), ir_splat(builder, ir.Constant(f32, 2.0 ** 112), vf))
+    return builder.bitcast(builder.or_(builder.bitcast(val, vi), sign), vf)
+
+
 # ------------------------------------------------------------------ micro-kernel (LLVM IR)
 def _tile(R: int, G: int, fmt: str):
     """An intrinsic tile(xq, xs, xc, m0, qw, ws, p, col0, y, ycol): rows m0..m0+R-1, columns
@@ -125,26 +161,16 @@ def _tile(R: int, G: int, fmt: str):
             vs16 = ir.VectorType(i16, V)  # the fp16 scales' bits
 
             def half_to_float(h):
-                """<V x i16> fp16 bits -> <V x float>, exact, in integer ops and one multiply: the
-                magnitude bits shifted into an f32 are the value times 2^-112 (normal and subnormal
-                fp16 alike), so times 2^112 is the value; then the sign. (LLVM's fpext from half
-                needs F16C or a runtime call numba's JIT lacks; scales are never inf or NaN.)"""
-                w = builder.zext(h, vi)
-                mag = builder.shl(builder.and_(w, splat(ir.Constant(i32, 0x7FFF), vi)), splat(ir.Constant(i32, 13), vi))
-                sign = builder.shl(builder.and_(w, splat(ir.Constant(i32, 0x8000), vi)), splat(ir.Constant(i32, 16), vi))
-                val = builder.fmul(builder.bitcast(mag, vf), splat(ir.Constant(f32, 2.0 ** 112), vf))
-                return builder.bitcast(builder.or_(builder.bitcast(val, vi), sign), vf)
+                return ir_half_to_float(builder, h, vi, vf)
 
             def const(v):
                 return ir.Constant(i64, v)
 
             def fn(name, ret, argtys):
-                return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
+                return ir_fn(builder, name, ret, argtys)
 
             def splat(scalar, vty):
-                undef = ir.Constant(vty, ir.Undefined)
-                one = builder.insert_element(undef, scalar, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
+                return ir_splat(builder, scalar, vty)
 
             Kp = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
             nb = builder.ashr(Kp, const(5))
@@ -174,7 +200,6 @@ def _tile(R: int, G: int, fmt: str):
                 ones16 = ir.Constant(vh, [1] * (2 * V))
             else:
                 vw = ir.VectorType(i32, 4 * V)
-                picks = [ir.Constant(ir.VectorType(i32, V), [4 * i + j for i in range(V)]) for j in range(4)]
 
             def prep(w):
                 """Per weight vector, what every row's dot reuses."""
@@ -194,10 +219,7 @@ def _tile(R: int, G: int, fmt: str):
                     sx = builder.call(psign, [xb, w])  # sign(w) * x, |x| <= 127
                     pairs = builder.call(maddubs, [aux, sx])  # |w| * sign(w) x, pairs <= 32258
                     return builder.add(acc, builder.call(maddwd, [pairs, ones16]))
-                prod = builder.mul(w, builder.sext(xb, vw))  # [4V] int32
-                undef = ir.Constant(vw, ir.Undefined)
-                part = [builder.shuffle_vector(prod, undef, pk) for pk in picks]
-                return builder.add(acc, builder.add(builder.add(part[0], part[1]), builder.add(part[2], part[3])))
+                return builder.add(acc, ir_column_sums(builder, builder.mul(w, builder.sext(xb, vw)), V))
 
             entry = builder.block
             loop = builder.append_basic_block("qtile.b")
@@ -288,7 +310,10 @@ _q4_4, _q4_2, _q4_1 = _tiles["q4_0"]
 
 
 # ------------------------------------------------------------------ drivers
-def _make_item(t4, t2, t1):
+def _make_item(t4, t2, t1, group_cols=GROUP_COLS):
+    """The driver of one work item (ITEM_PANELS panels) over tiles t4 / t2 / t1 (4 / 2 / 1 rows)
+    of `group_cols` columns each (kernels_q4k.py reuses it with its own tiles)."""
+
     @njit(inline="always")
     def item(xq, xs, xc, qw, ws, y, b):
         """Output columns b*128 .. b*128+127 for every row; y [M, N]."""
@@ -297,7 +322,7 @@ def _make_item(t4, t2, t1):
         scratch = np.empty((M, ITEM_COLS), np.float32)  # [M, 128]
         for pp in range(ITEM_PANELS):
             p = b * ITEM_PANELS + pp
-            for col0 in range(0, PANEL_COLS, GROUP_COLS):
+            for col0 in range(0, PANEL_COLS, group_cols):
                 m0 = 0
                 while M - m0 >= 4:
                     t4(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
@@ -325,8 +350,28 @@ def _item(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the 
 
 @overload(_item, inline="always")
 def _item_impl(xq, xs, xc, qw, ws, y, b):
-    """The format's item driver, chosen by the weight's dtype at compile time."""
+    """The format's item driver, chosen by the panels' dtypes at compile time: Q4_K panels
+    (kernels_q4k.py) have uint8 metadata, q4_0 uint8 nibbles, q8_0 int8 weights."""
+    if ws.dtype == types.uint8:
+        from .kernels_q4k import item_q4k  # imported here: kernels_q4k builds on this module
+
+        return item_q4k.py_func
     return (_item_q4 if qw.dtype == types.uint8 else _item_q8).py_func
+
+
+def quantize_activations(x, ws):  # pragma: no cover - typing stub, see the overload
+    raise NotImplementedError
+
+
+@overload(quantize_activations, inline="always")
+def _quantize_activations(x, ws):
+    """The activation quantizer the panels' format takes: q8_K per 256 for Q4_K, else q8_0 per 32
+    (quantize_rows). Returns (xq, xs, xc) for the item drivers."""
+    if ws.dtype == types.uint8:
+        from .kernels_q4k import QK_K, quantize_rows_k
+
+        return lambda x, ws: quantize_rows_k(x, ws.shape[1] * QK_K)
+    return lambda x, ws: quantize_rows(x, ws.shape[1] * BLOCK)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -343,10 +388,10 @@ def _gemv_quant_ser(xq, xs, xc, qw, ws, y):
 
 @njit(inline="always")
 def gemv_quant(x, w, y, parallel):
-    """y [M, N] = x [M, K] @ dequant(w).T, w = (qw, ws) panels; callable from numba code
-    (kernels/fused.py) and from Python (through kernels/linear.py)."""
+    """y [M, N] = x [M, K] @ dequant(w).T, w = (qw, ws) panels (q8_0, q4_0 or Q4_K); callable
+    from numba code (kernels/fused.py) and from Python (through kernels/linear.py)."""
     qw, ws = w
-    xq, xs, xc = quantize_rows(x, ws.shape[1] * BLOCK)
+    xq, xs, xc = quantize_activations(x, ws)
     if parallel:
         _gemv_quant_par(xq, xs, xc, qw, ws, y)
     else:

@@ -22,8 +22,8 @@ from numba.extending import overload
 
 from ..errors import QuantizeError
 from ..kernels.panels import PANEL_COLS, _gemv_panels_ser, gemv_panels
-from . import formats, pack_nb
-from .kernels_int8 import VNNI, _gemv_quant_ser, gemv_quant, quantize_rows
+from . import formats, pack_nb, q4_k
+from .kernels_int8 import VNNI, _gemv_quant_ser, gemv_quant, quantize_activations
 
 CHUNK_ELEMS = 1 << 20  # weights quantized per pass (f16 inputs: ~30 MB of numpy scratch; between passes
 # the source's quantized rows go back to the OS and the progress line moves)
@@ -51,9 +51,11 @@ class QuantizedWeight:
 
 
 def quantize_weight(w: np.ndarray, fmt: str, name: str = "weight") -> QuantizedWeight:
-    """A 2-D bf16 / f16 / f32 weight [N, K] -> QuantizedWeight in `fmt` (q8_0 | q4_0)."""
+    """A 2-D bf16 / f16 / f32 weight [N, K] -> QuantizedWeight in `fmt` (q8_0 | q4_0 | q4_k)."""
     if fmt not in formats.FORMATS:
         raise QuantizeError(f"{name}: format {fmt!r}; expected one of {', '.join(formats.FORMATS)}")
+    if fmt == "q4_k":
+        return _quantize_q4_k(w, name)
     if not isinstance(w, np.ndarray) or w.ndim != 2 or w.size == 0:
         raise QuantizeError(f"{name}: {fmt} needs a non-empty 2-D weight, got {getattr(w, 'shape', type(w).__name__)}")
     N, K = w.shape
@@ -86,6 +88,24 @@ def quantize_weight(w: np.ndarray, fmt: str, name: str = "weight") -> QuantizedW
     return QuantizedWeight(fmt, (N, K), panels)
 
 
+def _quantize_q4_k(w: np.ndarray, name: str) -> QuantizedWeight:
+    """Q4_K: llama.cpp's block bytes (quant/q4_k.py), in chunks of rows, then the panels."""
+    q4_k.check(w, name)
+    N, K = w.shape
+    rows = max(1, 8 * CHUNK_ELEMS // K)  # f32 + block bytes: ~36 MB; big enough for the parallel quantizer
+    blocks = np.empty((N, K // q4_k.QK_K, q4_k.BLOCK_BYTES), np.uint8)
+    t0, loud = time.perf_counter(), w.size >= PROGRESS_MIN_ELEMS
+    for n0 in range(0, N, rows):
+        blocks[n0:n0 + rows] = q4_k.quantize_q4_k(w[n0:n0 + rows], name)
+        if loud:
+            print(f"\rquantizing {name} to q4_k: {min(N, n0 + rows) * 100 // N}%", end="", file=sys.stderr)
+    if loud:
+        print(f" ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    panels = q4_k.pack(blocks)
+    release_pages(w)
+    return QuantizedWeight("q4_k", (N, K), panels)
+
+
 def release_pages(a: np.ndarray) -> None:
     """Hand the whole pages of a memory-mapped array back to the OS (no-op for other arrays)."""
     base = a
@@ -106,6 +126,11 @@ def _is_quant(w) -> bool:
     return isinstance(w, types.BaseTuple) and len(w) == 2
 
 
+def _is_q4k(w) -> bool:
+    """Q4_K panels (qw, meta): both uint8 (q4_0's scales are uint16, q8_0's weights int8)."""
+    return _is_quant(w) and w.types[1].dtype == types.uint8
+
+
 def gemv_weights(x, w, y, parallel):  # pragma: no cover - typing stub, see the overload
     raise NotImplementedError
 
@@ -117,11 +142,11 @@ def _gemv_weights(x, w, y, parallel):
     only, so a one-thread run never compiles a parfor (prefer_literal: without it numba types
     the call with a plain bool first, and the parallel driver compiled at one thread too)."""
     serial = isinstance(parallel, types.BooleanLiteral) and not parallel.literal_value
-    if _is_quant(w):
+    if _is_quant(w):  # q8_0 / q4_0 / Q4_K panels (qw, ws)
         if serial:
             def quant_serial(x, w, y, parallel):
                 qw, ws = w
-                xq, xs, xc = quantize_rows(x, ws.shape[1] * formats.BLOCK)
+                xq, xs, xc = quantize_activations(x, ws)
                 _gemv_quant_ser(xq, xs, xc, qw, ws, y)
             return quant_serial
         return lambda x, w, y, parallel: gemv_quant(x, w, y, parallel)
@@ -148,7 +173,9 @@ def in_features(w):  # pragma: no cover - typing stub
 
 @overload(in_features, inline="always")
 def _in_features(w):
-    """K of a panel set (quantized: K % 32 == 0, quantize_weight checks it)."""
+    """K of a panel set (quantized: K % 32 == 0, quantize_weight checks it; q4_k: K % 256 == 0)."""
+    if _is_q4k(w):
+        return lambda w: w[1].shape[1] * q4_k.QK_K
     if _is_quant(w):
         return lambda w: w[1].shape[1] * formats.BLOCK
     return lambda w: w.shape[1]
