@@ -105,7 +105,7 @@ def metrics(server) -> dict:
 
 
 # ---------------------------------------------------------------- solo references
-def solo(pair, prompt=None, messages=None, max_tokens=32, temperature=0.0, seed=None, block_size=None,
+def solo(pair, prompt=None, messages=None, max_tokens=32, temperature=0.0, seed=None, block_size="auto",
          top_k=0, stop=(), **template_kw):
     """(text, completion_tokens, finish_reason, steps' texts) the server should answer (serve/reference.py)."""
     target, draft = pair

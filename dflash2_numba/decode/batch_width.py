@@ -1,0 +1,209 @@
+"""The server's batched verify width (`block_size="auto"` in `serve`, docs/adaptive_width.md):
+ONE budget of verify rows for the whole batch. Per engine step, every (request, position j)
+gets its estimated survival S_{r,j} (the probability that drafts 1..j of request r are all
+accepted, decode/width.SurvivalEstimator), the pairs are ranked by it, and the best N are
+verified, N chosen by the tokens-per-second rule of decode/width.py over the batch's cost:
+
+    E(N) = (R + sum of the N best S_{r,j}) / (D(n) + c(rows + N))     R requests, n drafting
+
+c(rows) = seconds of a batched verify of that many rows in all (a CostTable over 1..max_running
+x B rows: measured at load, cached on disk, refreshed online from real batched steps, the same
+code as the one-request table), D(n) = seconds of the batched draft forward of n requests
+(prior: the one-request draft time scaled like the target's row cost, refreshed online).
+N = 0 after drafting, or no draft at all (n = 0), is a plain batched step; the committed
+tokens' tap rows then wait in each request's pending draft context (decode/step.py), so
+speculation resumes on a complete context.
+
+    rule = BatchWidth(costs, B, max_running)
+    dec = Decoding(..., width=rule.seat())      # a greedy request joins the budget
+    step_batch(target, draft, decodings, rule)  # plan -> draft -> allot -> verify -> record
+
+Which requests join: greedy ones. Greedy output is the target's argmax chain whatever rows are
+verified, so the batch may decide on anything. A sampled request keeps its own one-request rule
+(decode/width.AdaptiveWidth on the measured table, no online refresh): its widths, so its random
+draws, then depend on its seed and the table only, and a seeded request gives token for token
+its solo `generate --block-size auto` run, whatever else runs (the server's contract). Its rows
+count in c(rows) like everyone's.
+
+Before drafting (`plan`): n in 0..R requests draft (the ones with the best average survival),
+each with the best E(N) under the average survival of its past drafted steps (a new request:
+the server's average); n = 0 (a plain batched step) unless drafting beats it. The first
+`warm_steps` steps always draft; after a run of plain steps of 2, 4, 8, 16, 24, one request
+drafts anyway and verifies at least 2 drafts (a re-test: the estimates go stale).
+After drafting (`allot`): this step's confidences give S_{r,j}; the N best pairs (a prefix of
+each request, since S_{r,j} falls with j) are verified.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .width import AUTO, AdaptiveWidth, CostTable, SurvivalEstimator, costs_for, proposal_confidence
+
+
+def _best_n(scores: np.ndarray, tokens: float, rows: int, D: float, c: np.ndarray) -> tuple[int, float]:
+    """argmax_N (tokens + sum of the N best scores) / (D + c(rows + N)), N in 0..len(scores)
+    and rows + N within the table -> (N, value). scores sorted best first."""
+    best_n, best = 0, tokens / max(D + c[rows - 1], 1e-12)
+    t = tokens
+    for N in range(1, min(len(scores), len(c) - rows) + 1):
+        t += scores[N - 1]
+        v = t / max(D + c[rows + N - 1], 1e-12)
+        if v > best:
+            best_n, best = N, v
+    return best_n, best
+
+
+class _Seat:
+    """One greedy request's place in the budget: the Decoding's width rule (decode/step.py
+    calls draft_now / choose / observe), answering with what the batch decided."""
+
+    name = AUTO
+
+    def __init__(self, rule: "BatchWidth"):
+        self.rule = rule
+        self.mean_S = rule.mean_S.copy()  # [B] average survival of this request's drafted steps
+        self.seen = False
+        self.draft = False  # this step: draft (plan)
+        self.k = 0  # this step: drafts to verify (allot)
+        self.buckets = np.zeros(0, np.int64)
+        self.last_drafted = 0  # step counter of this request's last drafted step
+
+    def draft_now(self, kmax: int) -> bool:
+        return self.draft
+
+    def choose(self, prop, kmax: int) -> int:
+        return min(self.k, kmax)
+
+    def observe(self, k: int, accepted: int, drafted: bool, draft_s, verify_s) -> None:
+        if drafted:  # timings: the batch records them (record)
+            self.rule.est.observe(self.buckets, k, accepted)
+
+
+class BatchWidth:
+    """The batch's verify-row budget (module docstring). `costs`: verify seconds of 1..len
+    rows in all (max_running x B); `draft_costs`: injected batched draft seconds per drafting
+    request count (tests), else a prior. `online`: refresh both from the measured steps (off:
+    an injected table stays as given)."""
+
+    def __init__(self, costs: CostTable, B: int, max_running: int, draft_costs=None, warm_steps: int = 3,
+                 probe_every: tuple[int, ...] = (2, 4, 8, 16, 24), mean_weight: float = 0.25, online: bool = True):
+        self.costs, self.B, self.max_running, self.online = costs, int(B), int(max_running), online
+        c = costs.verify_s
+        if draft_costs is None:  # one draft block scaled like the target's cost of n blocks of rows
+            base = c[min(self.B, len(c)) - 1]
+            draft_costs = [costs.draft_s * c[min(n * self.B, len(c)) - 1] / max(base, 1e-12)
+                           for n in range(1, self.max_running + 1)]
+        self.draft_costs = CostTable(np.asarray(draft_costs, np.float64), 0.0, costs.source)  # [n-1]: n drafting
+        self.est = SurvivalEstimator(self.B)  # shared: one pair, confidence-conditioned
+        self.mean_S = 0.7 ** np.arange(self.B, dtype=np.float64)  # [B] server average S_j (S_0 = 1)
+        self.mean_weight, self.warm_left = mean_weight, warm_steps
+        self.probe_every, self.probe_level, self.plain_run = probe_every, 0, 0
+        self.steps = 0
+        self._probe: _Seat | None = None
+
+    def seat(self) -> _Seat:
+        return _Seat(self)
+
+    def width_for(self, sampling, target, draft):
+        """A request's width rule under "auto": greedy, a seat in this budget; sampled, the
+        one-request rule on the measured table without online refresh (its widths, so its
+        draws, depend on its seed and the table only: its solo run's, decode/loop.width_rule)."""
+        if sampling.greedy:
+            return self.seat()
+        return AdaptiveWidth(costs_for(target, draft, self.B).frozen(), self.B, online=False)
+
+    # ---------------------------------------------------------------- the costs
+    def D(self, n: int) -> float:
+        return 0.0 if n <= 0 else float(self.draft_costs.verify_s[min(n, len(self.draft_costs.verify_s)) - 1])
+
+    def record(self, drafting: int, draft_s: float | None, rows: int, verify_s: float) -> None:
+        """The measured seconds of a batched step: its draft forward (n requests; None: not a
+        typical one, a prompt's context fed) and its verify of `rows` rows in all."""
+        if not self.online:
+            return
+        if 1 <= rows <= self.costs.B:
+            self.costs.observe_verify(rows, verify_s)
+        if drafting >= 1 and draft_s is not None and drafting <= self.draft_costs.B:
+            self.draft_costs.observe_verify(drafting, draft_s)
+
+    def _others(self, decodings: list, kmax: list[int]) -> tuple[int, float, int]:
+        """(rows, expected tokens, drafting requests) of a step before the seats' drafts: one
+        row and one token per request, plus the drafts of requests under another rule
+        (kmax[i] rows at most, worth the server's average survival)."""
+        rows, tokens, drafting = len(decodings), float(len(decodings)), 0
+        for d, k in zip(decodings, kmax):
+            if not isinstance(d.width, _Seat) and d.draft is not None and k >= 1:
+                rows, tokens, drafting = rows + k, tokens + float(self.mean_S[1:k + 1].sum()), drafting + 1
+        return rows, tokens, drafting
+
+    # ---------------------------------------------------------------- before drafting
+    def plan(self, decodings: list) -> None:
+        """Decide which seated requests draft this step (sets seat.draft)."""
+        self.steps += 1
+        seats = [(d, d.width) for d in decodings if isinstance(d.width, _Seat)]
+        for _, s in seats:
+            s.draft, s.k = False, 0
+        self._probe = None
+        able = [(d, s) for d, s in seats if d.budget_kmax() >= 1]
+        if not able:
+            return
+        rows, tokens, others = self._others(decodings, [d.budget_kmax() for d in decodings])
+        if self.warm_left > 0:
+            self.warm_left -= 1
+            for _, s in able:
+                s.draft = True
+            return
+        # requests ranked by their average survival: the n best draft
+        able.sort(key=lambda ds: -float(ds[1].mean_S[1:ds[0].budget_kmax() + 1].sum()))
+        c = self.costs.verify_s
+        rows = min(rows, len(c))
+        best_n, best = 0, tokens / max(self.D(others) + c[rows - 1], 1e-12)
+        for n in range(1, len(able) + 1):
+            scores = np.sort(np.concatenate([s.mean_S[1:d.budget_kmax() + 1] for d, s in able[:n]]))[::-1]
+            v = _best_n(scores, tokens, rows, self.D(n + others), c)[1]
+            if v > best:
+                best_n, best = n, v
+        if best_n > 0:
+            self.plain_run, self.probe_level = 0, 0
+            for _, s in able[:best_n]:
+                s.draft = True
+            return
+        self.plain_run += 1
+        ones = np.ones(self.B - 1)
+        if self.plain_run > self.probe_every[self.probe_level] and \
+                _best_n(ones, tokens, rows, self.D(1 + others), c)[0] > 0:
+            # re-test: the request that drafted least recently, at least 2 drafts verified
+            self.plain_run = 0
+            self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
+            d, s = min(able, key=lambda ds: ds[1].last_drafted)
+            s.draft, self._probe = True, s
+
+    # ---------------------------------------------------------------- after drafting
+    def allot(self, decodings: list, props: list) -> None:
+        """The drafting seats' k from this step's confidences: the N best (request, position)."""
+        seats, pairs = [], []  # pairs: (-S, j, seat index)
+        # another rule's request: Bv - 1 is its upper bound here (it decides in verify_ids)
+        rows, tokens, _ = self._others(decodings, [d.Bv - 1 if p is not None else 0 for d, p in zip(decodings, props)])
+        drafting = sum(p is not None for p in props)
+        for d, p in zip(decodings, props):
+            if p is None or not isinstance(d.width, _Seat):
+                continue
+            s, kmax = d.width, d.kmax
+            s.buckets = self.est.buckets(proposal_confidence(p), kmax)
+            S = np.cumprod([self.est.rate(j, int(s.buckets[j - 1])) for j in range(1, kmax + 1)])  # [kmax]
+            w = self.mean_weight if s.seen else 1.0  # the first drafted step replaces the prior
+            s.mean_S[1:kmax + 1] += w * (S - s.mean_S[1:kmax + 1])
+            self.mean_S[1:kmax + 1] += self.mean_weight * (S - self.mean_S[1:kmax + 1])
+            s.seen, s.last_drafted = True, self.steps
+            seats.append(s)
+            pairs += [(-float(S[j - 1]), j, len(seats) - 1) for j in range(1, kmax + 1)]
+        if not seats:
+            return
+        pairs.sort()
+        c = self.costs.verify_s
+        N, _ = _best_n(np.array([-p[0] for p in pairs]), tokens, min(rows, len(c)), self.D(drafting), c)
+        for _, j, i in pairs[:N]:  # S falls with j, ties broken by j: a prefix of each request
+            seats[i].k = max(seats[i].k, j)
+        if self._probe is not None:
+            self._probe.k = max(self._probe.k, min(2, self._probe.buckets.shape[0]))
