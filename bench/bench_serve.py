@@ -17,7 +17,8 @@ mostly measures the neighbours, so the bench also reports tokens per CPU-second 
 process (user + system, all its threads, from /proc): with one kernel thread that is the
 throughput the same work would have on a core of its own. --fixed-block-size Q adds a fifth
 server, speculative batched at that fixed Q (the behaviour before `auto`); each row records
-the load average before it.
+the load average before it. --solo-clients 1,4 runs the two --max-running 1 servers at those
+client counts only (they take the longest).
 
 load: ONE server (the embedded pair by default); K client threads x M requests in all, mixed
 streamed / not, random prompts, budgets, block sizes, greedy and seeded sampling; a share are
@@ -210,6 +211,7 @@ def throughput(args) -> None:
     from dflash2_numba.tokenizer import Tokenizer
 
     clients = [int(c) for c in args.clients.split(",")]
+    solo_clients = clients if not args.solo_clients else [int(c) for c in args.solo_clients.split(",")]
     tok = Tokenizer.from_dir(args.target)
     prompts = json.loads((ROOT / "bench" / "data" / "heldout_prompts.json").read_text())
     ids = [tok.encode(p)[:args.prompt_tokens] for p in prompts]
@@ -233,6 +235,8 @@ def throughput(args) -> None:
                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
                           for i in range(n)]
                 for name, srv in servers.items():
+                    if name.endswith("R=1") and c not in solo_clients:
+                        continue
                     model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
                     for b in bodies:
                         b["model"] = model
@@ -473,7 +477,8 @@ def main() -> None:
     options = {  # mode -> (flag, type, default)
         "throughput": [("--target", Path, None), ("--draft", Path, None), ("--clients", str, "1,2,4,8"),
                        ("--max-tokens", int, 64), ("--prompt-tokens", int, 48), ("--min-requests", int, 4),
-                       ("--block-size", str, "auto"), ("--fixed-block-size", int, None), ("--threads", int, 1), ("--rounds", int, 2), ("--out", str, None)],
+                       ("--block-size", str, "auto"), ("--fixed-block-size", int, None),
+                       ("--solo-clients", str, None), ("--threads", int, 1), ("--rounds", int, 2), ("--out", str, None)],
         "load": [("--target", Path, None), ("--draft", Path, None), ("--clients", int, 8), ("--requests", int, 200),
                  ("--cancel", float, 0.1), ("--max-running", int, 4), ("--max-waiting", int, 3), ("--seed", int, 0),
                  ("--time-limit", float, 600.0), ("--out", str, None)],

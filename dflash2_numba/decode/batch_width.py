@@ -27,9 +27,13 @@ count in c(rows) like everyone's.
 
 Before drafting (`plan`): n in 0..R requests draft (the ones with the best average survival),
 each with the best E(N) under the average survival of its past drafted steps (a new request:
-the server's average); n = 0 (a plain batched step) unless drafting beats it. The first
-`warm_steps` steps always draft; after a run of plain steps of 2, 4, 8, 16, 24, one request
-drafts anyway and verifies at least 2 drafts (a re-test: the estimates go stale).
+the server's average); n = 0 (a plain batched step) unless drafting beats it. Every request
+drafts while the realized gain of such steps at this batch size R (committed tokens over
+measured seconds, over the plain step's E(0); an exponential average) stays above 1: the
+average survival undervalues drafting, whose rows are then chosen from each step's own
+confidences. The first `warm_steps` steps always draft; after a run of plain steps of 2, 4, 8,
+16, 24, one request drafts anyway and verifies at least 2 drafts (a re-test: the estimates go
+stale).
 After drafting (`allot`): this step's confidences give S_{r,j}; the N best pairs (a prefix of
 each request, since S_{r,j} falls with j) are verified.
 """
@@ -101,6 +105,11 @@ class BatchWidth:
         self.probe_every, self.probe_level, self.plain_run = probe_every, 0, 0
         self.steps = 0
         self._probe: _Seat | None = None
+        # realized gain of drafting every able request, per batch size R: an exponential average
+        # of (committed tokens / measured seconds) over the plain step's E(0) from the table
+        self.gain: dict[int, float] = {}
+        self.gain_weight = 0.2
+        self._full: tuple[int, float] | None = None  # this step drafts every able request: (R, E(0))
 
     def seat(self) -> _Seat:
         return _Seat(self)
@@ -117,11 +126,17 @@ class BatchWidth:
     def D(self, n: int) -> float:
         return 0.0 if n <= 0 else float(self.draft_costs.verify_s[min(n, len(self.draft_costs.verify_s)) - 1])
 
-    def record(self, drafting: int, draft_s: float | None, rows: int, verify_s: float) -> None:
+    def record(self, drafting: int, draft_s: float | None, rows: int, verify_s: float, tokens: int) -> None:
         """The measured seconds of a batched step: its draft forward (n requests; None: not a
-        typical one, a prompt's context fed) and its verify of `rows` rows in all."""
+        typical one, a prompt's context fed) and its verify of `rows` rows in all, and the
+        tokens it committed."""
         if not self.online:
             return
+        if self._full is not None and draft_s is not None:
+            R, plain = self._full
+            g = tokens / max(draft_s + verify_s, 1e-12) / max(plain, 1e-12)
+            old = self.gain.get(R)
+            self.gain[R] = g if old is None else old + self.gain_weight * (g - old)
         if 1 <= rows <= self.costs.B:
             self.costs.observe_verify(rows, verify_s)
         if drafting >= 1 and draft_s is not None and drafting <= self.draft_costs.B:
@@ -144,21 +159,25 @@ class BatchWidth:
         seats = [(d, d.width) for d in decodings if isinstance(d.width, _Seat)]
         for _, s in seats:
             s.draft, s.k = False, 0
-        self._probe = None
+        self._probe, self._full = None, None
         able = [(d, s) for d, s in seats if d.budget_kmax() >= 1]
         if not able:
             return
         rows, tokens, others = self._others(decodings, [d.budget_kmax() for d in decodings])
-        if self.warm_left > 0:
-            self.warm_left -= 1
+        c = self.costs.verify_s
+        rows = min(rows, len(c))
+        plain = tokens / max(self.D(others) + c[rows - 1], 1e-12)  # E(0): a plain batched step
+        R = len(decodings)
+        if self.warm_left > 0 or self.gain.get(R, 0.0) > 1.0:  # warming up, or drafting all has paid
+            self.warm_left = max(0, self.warm_left - 1)
             for _, s in able:
                 s.draft = True
+            self._full = (R, plain)
+            self.plain_run, self.probe_level = 0, 0
             return
         # requests ranked by their average survival: the n best draft
         able.sort(key=lambda ds: -float(ds[1].mean_S[1:ds[0].budget_kmax() + 1].sum()))
-        c = self.costs.verify_s
-        rows = min(rows, len(c))
-        best_n, best = 0, tokens / max(self.D(others) + c[rows - 1], 1e-12)
+        best_n, best = 0, plain
         for n in range(1, len(able) + 1):
             scores = np.sort(np.concatenate([s.mean_S[1:d.budget_kmax() + 1] for d, s in able[:n]]))[::-1]
             v = _best_n(scores, tokens, rows, self.D(n + others), c)[1]
@@ -168,6 +187,8 @@ class BatchWidth:
             self.plain_run, self.probe_level = 0, 0
             for _, s in able[:best_n]:
                 s.draft = True
+            if best_n == len(able):
+                self._full = (R, plain)
             return
         self.plain_run += 1
         ones = np.ones(self.B - 1)

@@ -127,7 +127,9 @@ def step_batch(target, draft, decodings: list, rule=None) -> list:
     t2 = time.perf_counter()
     outs = verify_batch(target, blocks, [d.cache for d in decodings], tap_layers)
     t3 = time.perf_counter()
+    results = [d.accept(logits, taps) for d, (logits, taps) in zip(decodings, outs)]
     if rule is not None:  # a draft step that fed a prompt's context is not a typical one
         typical = all(decodings[i]._ctx_n <= decodings[i].Q for i in drafting)
-        rule.record(len(drafting), t1 - t0 if typical else None, sum(len(b) for b in blocks), t3 - t2)
-    return [d.accept(logits, taps) for d, (logits, taps) in zip(decodings, outs)]
+        rule.record(len(drafting), t1 - t0 if typical else None, sum(len(b) for b in blocks), t3 - t2,
+                    sum(len(r.token_ids) for r in results))
+    return results
