@@ -45,6 +45,9 @@ import numpy as np
 from .width import AUTO, AdaptiveWidth, CostTable, SurvivalEstimator, costs_for, proposal_confidence
 
 
+PROBE_SHARE = 0.03  # a re-test may cost up to this share of the plain steps' time since the last
+
+
 def _best_n(scores: np.ndarray, tokens: float, rows: int, D: float, c: np.ndarray) -> tuple[int, float]:
     """argmax_N (tokens + sum of the N best scores) / (D + c(rows + N)), N in 0..len(scores)
     and rows + N within the table -> (N, value). scores sorted best first."""
@@ -105,11 +108,14 @@ class BatchWidth:
         self.probe_every, self.probe_level, self.plain_run = probe_every, 0, 0
         self.steps = 0
         self._probe: _Seat | None = None
-        # realized gain of drafting every able request, per batch size R: an exponential average
+        # realized gain of n drafting requests in a batch of R, per (R, n): an exponential average
         # of (committed tokens / measured seconds) over the plain step's E(0) from the table
-        self.gain: dict[int, float] = {}
+        self.gain: dict[tuple[int, int], float] = {}
         self.gain_weight = 0.2
-        self._full: tuple[int, float] | None = None  # this step drafts every able request: (R, E(0))
+        self._key: tuple | None = None  # this step drafts: (R, n, E(0), a plain step's seconds)
+        self.probe_extra: float | None = None  # measured extra seconds of a re-test step
+        self._plain_step_s = 0.0  # a plain step's estimated seconds (plan)
+        self.plain_s = 0.0  # estimated seconds of the plain steps since the last drafted one
 
     def seat(self) -> _Seat:
         return _Seat(self)
@@ -126,17 +132,22 @@ class BatchWidth:
     def D(self, n: int) -> float:
         return 0.0 if n <= 0 else float(self.draft_costs.verify_s[min(n, len(self.draft_costs.verify_s)) - 1])
 
-    def record(self, drafting: int, draft_s: float | None, rows: int, verify_s: float, tokens: int) -> None:
-        """The measured seconds of a batched step: its draft forward (n requests; None: not a
-        typical one, a prompt's context fed) and its verify of `rows` rows in all, and the
-        tokens it committed."""
+    def record(self, drafting: int, draft_s: float, typical: bool, rows: int, verify_s: float, tokens: int) -> None:
+        """The measured seconds of a batched step: its draft forward (n requests; `typical`:
+        no request fed more than a block of context, e.g. its prompt's, or the backlog of a run
+        of plain steps) and its verify of `rows` rows in all, and the tokens it committed."""
         if not self.online:
             return
-        if self._full is not None and draft_s is not None:
-            R, plain = self._full
+        if self._probe is not None:  # what a re-test really costs over a plain step (context catch-up included)
+            extra = draft_s + verify_s - self._key[3]
+            self.probe_extra = extra if self.probe_extra is None else self.probe_extra + 0.3 * (extra - self.probe_extra)
+        if not typical:
+            draft_s = None
+        if self._key is not None and draft_s is not None:
+            R, n, plain, _ = self._key
             g = tokens / max(draft_s + verify_s, 1e-12) / max(plain, 1e-12)
-            old = self.gain.get(R)
-            self.gain[R] = g if old is None else old + self.gain_weight * (g - old)
+            old = self.gain.get((R, n))
+            self.gain[R, n] = g if old is None else old + self.gain_weight * (g - old)
         if 1 <= rows <= self.costs.B:
             self.costs.observe_verify(rows, verify_s)
         if drafting >= 1 and draft_s is not None and drafting <= self.draft_costs.B:
@@ -159,46 +170,56 @@ class BatchWidth:
         seats = [(d, d.width) for d in decodings if isinstance(d.width, _Seat)]
         for _, s in seats:
             s.draft, s.k = False, 0
-        self._probe, self._full = None, None
+        self._probe, self._key = None, None
         able = [(d, s) for d, s in seats if d.budget_kmax() >= 1]
         if not able:
             return
         rows, tokens, others = self._others(decodings, [d.budget_kmax() for d in decodings])
         c = self.costs.verify_s
         rows = min(rows, len(c))
-        plain = tokens / max(self.D(others) + c[rows - 1], 1e-12)  # E(0): a plain batched step
+        self._plain_step_s = self.D(others) + c[rows - 1]
+        plain = tokens / max(self._plain_step_s, 1e-12)  # E(0): a plain batched step
         R = len(decodings)
-        if self.warm_left > 0 or self.gain.get(R, 0.0) > 1.0:  # warming up, or drafting all has paid
-            self.warm_left = max(0, self.warm_left - 1)
-            for _, s in able:
-                s.draft = True
-            self._full = (R, plain)
-            self.plain_run, self.probe_level = 0, 0
+        if self.warm_left > 0:  # statistics to start from
+            self.warm_left -= 1
+            self._draft(able, len(able), R, plain)
             return
-        # requests ranked by their average survival: the n best draft
+        # requests ranked by their average survival: the n best draft. Drafting n is valued by
+        # its realized gain at this batch size when it has one, else by the model
         able.sort(key=lambda ds: -float(ds[1].mean_S[1:ds[0].budget_kmax() + 1].sum()))
         best_n, best = 0, plain
         for n in range(1, len(able) + 1):
-            scores = np.sort(np.concatenate([s.mean_S[1:d.budget_kmax() + 1] for d, s in able[:n]]))[::-1]
-            v = _best_n(scores, tokens, rows, self.D(n + others), c)[1]
+            g = self.gain.get((R, n))
+            if g is not None:
+                v = g * plain
+            else:
+                scores = np.sort(np.concatenate([s.mean_S[1:d.budget_kmax() + 1] for d, s in able[:n]]))[::-1]
+                v = _best_n(scores, tokens, rows, self.D(n + others), c)[1]
             if v > best:
                 best_n, best = n, v
         if best_n > 0:
-            self.plain_run, self.probe_level = 0, 0
-            for _, s in able[:best_n]:
-                s.draft = True
-            if best_n == len(able):
-                self._full = (R, plain)
+            self.probe_level = 0
+            self._draft(able, best_n, R, plain)
             return
         self.plain_run += 1
-        ones = np.ones(self.B - 1)
-        if self.plain_run > self.probe_every[self.probe_level] and \
-                _best_n(ones, tokens, rows, self.D(1 + others), c)[0] > 0:
+        self.plain_s += tokens / max(plain, 1e-12)  # this plain step's estimated seconds
+        probe_cost = self.D(1 + others) - self.D(others) + c[min(rows + 2, len(c)) - 1] - c[rows - 1]
+        if self.probe_extra is not None:
+            probe_cost = max(probe_cost, self.probe_extra)
+        if self.plain_run > self.probe_every[self.probe_level] and self.plain_s * PROBE_SHARE >= probe_cost and \
+                _best_n(np.ones(self.B - 1), tokens, rows, self.D(1 + others), c)[0] > 0:
             # re-test: the request that drafted least recently, at least 2 drafts verified
-            self.plain_run = 0
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
             d, s = min(able, key=lambda ds: ds[1].last_drafted)
-            s.draft, self._probe = True, s
+            self._draft([(d, s)], 1, R, plain, probe=True)
+
+    def _draft(self, able: list, n: int, R: int, plain: float, probe: bool = False) -> None:
+        """The first n of `able` draft this step (`probe`: a re-test, at least 2 drafts verified)."""
+        for _, s in able[:n]:
+            s.draft = True
+        if probe:
+            self._probe = able[0][1]
+        self._key, self.plain_run, self.plain_s = (R, n, plain, self._plain_step_s), 0, 0.0
 
     # ---------------------------------------------------------------- after drafting
     def allot(self, decodings: list, props: list) -> None:
