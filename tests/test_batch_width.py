@@ -21,8 +21,7 @@ from dflash2_numba.decode.batch_width import BatchWidth
 from dflash2_numba.decode.sampling import SamplingParams
 from dflash2_numba.decode.step import Decoding
 from dflash2_numba.decode.width import AUTO, CostTable, costs_for
-from dflash2_numba.default import ASSET_DIR
-from dflash2_numba.models import batched
+from test_batched import pair, run_batched  # noqa: F401  (pair: the embedded pair, a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -36,14 +35,6 @@ REQUESTS = [  # (prompt, max_new, temperature, seed)
 MAX_RUNNING = len(REQUESTS)
 
 
-@pytest.fixture(scope="module")
-def pair():
-    if not (ASSET_DIR / "target" / "config.json").is_file():
-        pytest.skip("the embedded default pair is not shipped in this checkout")
-    target = dn.load_target(ASSET_DIR / "target")
-    return target, {k: dn.load_draft(ASSET_DIR / k, target) for k in ("dflash2", "dflash")}
-
-
 def injected(B: int, growth: float) -> CostTable:
     """verify seconds of r = 1..MAX_RUNNING x B rows: 1 ms x growth^(r-1) (drafting free)."""
     return CostTable(1e-3 * growth ** np.arange(MAX_RUNNING * B), 0.0, "injected")
@@ -55,17 +46,7 @@ def run(target, draft, rule, requests=REQUESTS):
     tok = target.tokenizer
     decs = [Decoding(target, draft, tok.encode(p), n, draft.block_size, SamplingParams(t, 0, 1.0, s), (),
                      width=rule.width_for(SamplingParams(t, 0, 1.0, s), target, draft)) for p, n, t, s in requests]
-    out = [[] for _ in decs]
-    for i, d in enumerate(decs):
-        step = None
-        while step is None:
-            step = d.prefill_step()
-        out[i] += step.token_ids
-    while not all(d.finished for d in decs):
-        live = [i for i, d in enumerate(decs) if not d.finished]
-        for i, step in zip(live, batched.step_batch(target, draft, [decs[i] for i in live], rule)):
-            out[i] += step.token_ids
-    return out, decs
+    return run_batched(target, draft, decs, rule), decs
 
 
 def solo(target, draft, prompt, n, t, s):

@@ -45,7 +45,7 @@ import numpy as np
 from .width import AUTO, AdaptiveWidth, CostTable, SurvivalEstimator, costs_for, proposal_confidence
 
 
-PROBE_SHARE = 0.03  # a re-test may cost up to this share of the plain steps' time since the last
+PROBE_SHARE = 0.015  # a re-test may cost up to this share of the plain steps' time since the last
 
 
 def _best_n(scores: np.ndarray, tokens: float, rows: int, D: float, c: np.ndarray) -> tuple[int, float]:
@@ -109,8 +109,12 @@ class BatchWidth:
         self.steps = 0
         self._probe: _Seat | None = None
         # realized gain of n drafting requests in a batch of R, per (R, n): an exponential average
-        # of (committed tokens / measured seconds) over the plain step's E(0) from the table
+        # of (committed tokens / measured seconds) over the realized rate of plain steps at R
+        # (both measured alike, so load and the table's errors cancel; the table's E(0) until
+        # a plain step at R has run)
         self.gain: dict[tuple[int, int], float] = {}
+        self.plain_rate: dict[int, float] = {}  # R -> tokens / second of plain steps (exponential average)
+        self._R = 0  # requests in the step in progress
         self.gain_weight = 0.2
         self._key: tuple | None = None  # this step drafts: (R, n, E(0), a plain step's seconds)
         self.probe_extra: float | None = None  # measured extra seconds of a re-test step
@@ -141,17 +145,20 @@ class BatchWidth:
         if self._probe is not None:  # what a re-test really costs over a plain step (context catch-up included)
             extra = draft_s + verify_s - self._key[3]
             self.probe_extra = extra if self.probe_extra is None else self.probe_extra + 0.3 * (extra - self.probe_extra)
-        if not typical:
-            draft_s = None
-        if self._key is not None and draft_s is not None:
+        rate = tokens / max(draft_s + verify_s, 1e-12)
+        if drafting == 0:
+            self._average(self.plain_rate, self._R, rate)
+        elif self._key is not None and typical:
             R, n, plain, _ = self._key
-            g = tokens / max(draft_s + verify_s, 1e-12) / max(plain, 1e-12)
-            old = self.gain.get((R, n))
-            self.gain[R, n] = g if old is None else old + self.gain_weight * (g - old)
+            self._average(self.gain, (R, n), rate / max(self.plain_rate.get(R, plain), 1e-12))
         if 1 <= rows <= self.costs.B:
             self.costs.observe_verify(rows, verify_s)
-        if drafting >= 1 and draft_s is not None and drafting <= self.draft_costs.B:
+        if typical and 1 <= drafting <= self.draft_costs.B:
             self.draft_costs.observe_verify(drafting, draft_s)
+
+    def _average(self, table: dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.gain_weight * (value - old)
 
     def _others(self, decodings: list, kmax: list[int]) -> tuple[int, float, int]:
         """(rows, expected tokens, drafting requests) of a step before the seats' drafts: one
@@ -166,7 +173,7 @@ class BatchWidth:
     # ---------------------------------------------------------------- before drafting
     def plan(self, decodings: list) -> None:
         """Decide which seated requests draft this step (sets seat.draft)."""
-        self.steps += 1
+        self.steps, self._R = self.steps + 1, len(decodings)
         seats = [(d, d.width) for d in decodings if isinstance(d.width, _Seat)]
         for _, s in seats:
             s.draft, s.k = False, 0
