@@ -136,10 +136,12 @@ class BatchWidth:
     def D(self, n: int) -> float:
         return 0.0 if n <= 0 else float(self.draft_costs.verify_s[min(n, len(self.draft_costs.verify_s)) - 1])
 
-    def record(self, drafting: int, draft_s: float, typical: bool, rows: int, verify_s: float, tokens: int) -> None:
+    def record(self, drafting: int, draft_s: float, typical: bool, rows: int, verify_s: float, tokens: int,
+               trimmed: bool = False) -> None:
         """The measured seconds of a batched step: its draft forward (n requests; `typical`:
         no request fed more than a block of context, e.g. its prompt's, or the backlog of a run
-        of plain steps) and its verify of `rows` rows in all, and the tokens it committed."""
+        of plain steps) and its verify of `rows` rows in all, and the tokens it committed
+        (`trimmed`: a drafting request's block was cut by its token budget)."""
         if not self.online:
             return
         if self._probe is not None:  # what a re-test really costs over a plain step (context catch-up included)
@@ -148,7 +150,11 @@ class BatchWidth:
         rate = tokens / max(draft_s + verify_s, 1e-12)
         if drafting == 0:
             self._average(self.plain_rate, self._R, rate)
-        elif self._key is not None and typical:
+        elif self._key is not None and not trimmed:  # a budget's last steps say little of drafting
+            # a context catch-up (the prompt's, or a run of plain steps' backlog) is the price of
+            # resuming, not of drafting: such a step counts the draft at its usual cost
+            if not typical:
+                rate = tokens / max(self.D(drafting) + verify_s, 1e-12)
             R, n, plain, _ = self._key
             self._average(self.gain, (R, n), rate / max(self.plain_rate.get(R, plain), 1e-12))
         if 1 <= rows <= self.costs.B:

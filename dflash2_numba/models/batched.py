@@ -130,6 +130,7 @@ def step_batch(target, draft, decodings: list, rule=None) -> list:
     results = [d.accept(logits, taps) for d, (logits, taps) in zip(decodings, outs)]
     if rule is not None:  # a draft step that fed a prompt's context is not a typical one
         typical = all(decodings[i]._ctx_n <= decodings[i].Q for i in drafting)
+        trimmed = any(decodings[i].kmax < decodings[i].Q - 1 for i in drafting)
         rule.record(len(drafting), t1 - t0, typical, sum(len(b) for b in blocks), t3 - t2,
-                    sum(len(r.token_ids) for r in results))
+                    sum(len(r.token_ids) for r in results), trimmed)
     return results
