@@ -45,6 +45,7 @@ import numpy as np
 from .width import AUTO, AdaptiveWidth, CostTable, SurvivalEstimator, costs_for, proposal_confidence
 
 
+GAIN_STALE = 256  # steps after which a realized gain no longer decides (the model does again)
 PROBE_SHARE = 0.015  # a re-test may cost up to this share of the plain steps' time since the last
 
 
@@ -114,6 +115,7 @@ class BatchWidth:
         # a plain step at R has run)
         self.gain: dict[tuple[int, int], float] = {}
         self.plain_rate: dict[int, float] = {}  # R -> tokens / second of plain steps (exponential average)
+        self.gain_step: dict[tuple[int, int], int] = {}  # (R, n) -> the step its gain was last updated
         self._R = 0  # requests in the step in progress
         self.gain_weight = 0.2
         self._key: tuple | None = None  # this step drafts: (R, n, E(0), a plain step's seconds)
@@ -157,6 +159,7 @@ class BatchWidth:
                 rate = tokens / max(self.D(drafting) + verify_s, 1e-12)
             R, n, plain, _ = self._key
             self._average(self.gain, (R, n), rate / max(self.plain_rate.get(R, plain), 1e-12))
+            self.gain_step[R, n] = self.steps
         if 1 <= rows <= self.costs.B:
             self.costs.observe_verify(rows, verify_s)
         if typical and 1 <= drafting <= self.draft_costs.B:
@@ -203,7 +206,7 @@ class BatchWidth:
         best_n, best = 0, plain
         for n in range(1, len(able) + 1):
             g = self.gain.get((R, n))
-            if g is not None:
+            if g is not None and self.steps - self.gain_step[R, n] <= GAIN_STALE:
                 v = g * plain
             else:
                 scores = np.sort(np.concatenate([s.mean_S[1:d.budget_kmax() + 1] for d, s in able[:n]]))[::-1]
