@@ -25,15 +25,15 @@ draws, then depend on its seed and the table only, and a seeded request gives to
 its solo `generate --block-size auto` run, whatever else runs (the server's contract). Its rows
 count in c(rows) like everyone's.
 
-Before drafting (`plan`): n in 0..R requests draft (the ones with the best average survival),
-each with the best E(N) under the average survival of its past drafted steps (a new request:
-the server's average); n = 0 (a plain batched step) unless drafting beats it. Every request
-drafts while the realized gain of such steps at this batch size R (committed tokens over
-measured seconds, over the plain step's E(0); an exponential average) stays above 1: the
-average survival undervalues drafting, whose rows are then chosen from each step's own
-confidences. The first `warm_steps` steps always draft; after a run of plain steps of 2, 4, 8,
-16, 24, one request drafts anyway and verifies at least 2 drafts (a re-test: the estimates go
-stale).
+Before drafting (`plan`): n in 0..R requests draft (the ones with the best average survival);
+n = 0 (a plain batched step) unless drafting beats it. Drafting n requests is valued by its
+realized gain at this batch size R where one was measured in the last GAIN_STALE steps
+(committed tokens over measured seconds of such steps, over the same of the plain steps at R;
+exponential averages, so load hits both alike), else by E(N) under the average survival of
+each request's past drafted steps (a new request: the server's average). The first
+`warm_steps` steps always draft; after a run of plain steps whose time is 1 / PROBE_SHARE x
+what a re-test costs (measured), one request drafts anyway and verifies at least 2 drafts (a
+re-test: the estimates go stale).
 After drafting (`allot`): this step's confidences give S_{r,j}; the N best pairs (a prefix of
 each request, since S_{r,j} falls with j) are verified.
 """
