@@ -1,7 +1,8 @@
 """`dflash2-decode serve` under concurrent clients: throughput, and a load test.
 
     python bench/bench_serve.py throughput --target /tmp/x8/target --draft /tmp/x8/dflash2 \\
-        [--clients 1,2,4,8] [--max-tokens 64] [--block-size 4] [--rounds 2] [--out bench/results/serve_x8.json]
+        [--clients 1,2,4,8] [--max-tokens 64] [--block-size auto] [--fixed-block-size 4] [--rounds 2] \\
+        [--out bench/results/serve_x8.json]
     python bench/bench_serve.py load [--target T --draft D] [--clients 8] [--requests 200] [--cancel 0.1]
 
 throughput: four servers run side by side (subprocesses on loopback ports; idle ones cost
@@ -14,7 +15,10 @@ Configurations alternate inside every round, so machine noise hits them alike. E
 greedy text must be the same for the same prompt (checked). On a shared machine the wall clock
 mostly measures the neighbours, so the bench also reports tokens per CPU-second of the server
 process (user + system, all its threads, from /proc): with one kernel thread that is the
-throughput the same work would have on a core of its own.
+throughput the same work would have on a core of its own. --fixed-block-size Q adds a fifth
+server, speculative batched at that fixed Q (the behaviour before `auto`); each row records
+the load average before it. --solo-clients 1,4 runs the two --max-running 1 servers at those
+client counts only (they take the longest).
 
 load: ONE server (the embedded pair by default); K client threads x M requests in all, mixed
 streamed / not, random prompts, budgets, block sizes, greedy and seeded sampling; a share are
@@ -52,6 +56,7 @@ import httpx  # noqa: E402
 from acceptance import shown  # noqa: E402  (a path as recorded: relative to the checkout)
 
 TIMEOUT_S = 120.0
+FIXED = "spec batched fixed"  # throughput: the --fixed-block-size server
 MAX_TRIES = 20  # load test: attempts per request while the queue is full
 
 
@@ -206,6 +211,7 @@ def throughput(args) -> None:
     from dflash2_numba.tokenizer import Tokenizer
 
     clients = [int(c) for c in args.clients.split(",")]
+    solo_clients = clients if not args.solo_clients else [int(c) for c in args.solo_clients.split(",")]
     tok = Tokenizer.from_dir(args.target)
     prompts = json.loads((ROOT / "bench" / "data" / "heldout_prompts.json").read_text())
     ids = [tok.encode(p)[:args.prompt_tokens] for p in prompts]
@@ -214,6 +220,8 @@ def throughput(args) -> None:
     top = str(max(clients))
     configs = {"spec batched": spec + ["--max-running", top], "spec R=1": spec + ["--max-running", "1"],
                "plain batched": ["--max-running", top], "plain R=1": ["--max-running", "1"]}
+    if args.fixed_block_size:
+        configs[FIXED] = ["--draft", str(args.draft), "--block-size", str(args.fixed_block_size), "--max-running", top]
     servers = {}
     for name, extra in configs.items():  # one at a time: their warm-ups would fight for the cores
         servers[name] = ServerProcess(common + extra, name, args.threads).wait_ready()
@@ -227,9 +235,12 @@ def throughput(args) -> None:
                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
                           for i in range(n)]
                 for name, srv in servers.items():
+                    if name.endswith("R=1") and c not in solo_clients:
+                        continue
                     model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
                     for b in bodies:
                         b["model"] = model
+                    load1 = os.getloadavg()[0]
                     before, cpu0 = srv.metrics(), srv.cpu_s()
                     results, wall = run_clients(srv.url, bodies, c)
                     after, cpu = srv.metrics(), srv.cpu_s() - cpu0
@@ -238,7 +249,8 @@ def throughput(args) -> None:
                     steps = after["engine_steps_total"] - before["engine_steps_total"]
                     drafts = after["spec_decode_num_drafts_total"] - before["spec_decode_num_drafts_total"]
                     acc = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]
-                    s.update(round=rnd, clients=c, config=name, engine_steps=steps,
+                    s.update(round=rnd, clients=c, config=name, engine_steps=steps, load_before=load1,
+                             rows_per_step=(after["engine_step_rows_total"] - before["engine_step_rows_total"]) / steps,
                              tau=1 + acc / drafts if drafts else 1.0)
                     rows.append(s)
                     for b, r in zip(bodies, results):
@@ -251,6 +263,7 @@ def throughput(args) -> None:
         codes = {name: srv.stop() for name, srv in servers.items()}
     same = all(len(v) == 1 for v in texts.values())
     report = {"machine": machine(), "target": shown(args.target), "draft": shown(args.draft), "Q": args.block_size,
+              "fixed_Q": args.fixed_block_size,
               "threads": args.threads, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
               "rows": rows, "greedy_texts_identical_across_servers": same, "exit_codes": codes}
     report["table"] = table(rows, clients, list(configs))
@@ -268,14 +281,17 @@ def table(rows: list[dict], clients: list[int], configs: list[str]) -> str:
 
     out = []
     for key, what in (("tok_per_cpu_s", "tokens per server CPU-second"), ("aggregate_tok_s", "aggregate tok/s (wall)")):
+        fixed = FIXED in configs
         head = "| clients | " + " | ".join(configs) + \
-            " | spec batched / spec R=1 | spec / plain (batched) | spec / plain (R=1) |"
+            " | spec batched / spec R=1 | spec / plain (batched) | spec / plain (R=1) |" + \
+            (" fixed / plain (batched) |" if fixed else "")
         lines = [f"{what}, mean of the rounds:", "", head, "|" + "---|" * (head.count("|") - 1)]
         for c in clients:
             v = {n: mean(c, n, key) for n in configs}
             lines.append(f"| {c} | " + " | ".join(f"{v[n]:.1f}" for n in configs) +
                          f" | {v['spec batched'] / v['spec R=1']:.2f}x | {v['spec batched'] / v['plain batched']:.2f}x"
-                         f" | {v['spec R=1'] / v['plain R=1']:.2f}x |")
+                         f" | {v['spec R=1'] / v['plain R=1']:.2f}x |" +
+                         (f" {v[FIXED] / v['plain batched']:.2f}x |" if fixed else ""))
         out.append("\n".join(lines))
     head = "| clients | spec tau | TTFT ms spec batched / R=1 | ITL ms spec batched / R=1 | per-request tok/s spec batched / R=1 |"
     lines = ["latency (wall, medians; mean of the rounds):", "", head, "|---|---|---|---|---|"]
@@ -289,10 +305,13 @@ def table(rows: list[dict], clients: list[int], configs: list[str]) -> str:
 
 
 def machine() -> dict:
+    from dflash2_numba.kernels import isa
+
     model = next((line.split(":", 1)[1].strip() for line in
                   subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
                   if line.startswith("Model name")), platform.processor())
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version()}
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "isa": isa.describe()["isa"],
+            "load_at_end": os.getloadavg()}
 
 
 # ---------------------------------------------------------------- load test
@@ -458,7 +477,8 @@ def main() -> None:
     options = {  # mode -> (flag, type, default)
         "throughput": [("--target", Path, None), ("--draft", Path, None), ("--clients", str, "1,2,4,8"),
                        ("--max-tokens", int, 64), ("--prompt-tokens", int, 48), ("--min-requests", int, 4),
-                       ("--block-size", int, 4), ("--threads", int, 1), ("--rounds", int, 2), ("--out", str, None)],
+                       ("--block-size", str, "auto"), ("--fixed-block-size", int, None),
+                       ("--solo-clients", str, None), ("--threads", int, 1), ("--rounds", int, 2), ("--out", str, None)],
         "load": [("--target", Path, None), ("--draft", Path, None), ("--clients", int, 8), ("--requests", int, 200),
                  ("--cancel", float, 0.1), ("--max-running", int, 4), ("--max-waiting", int, 3), ("--seed", int, 0),
                  ("--time-limit", float, 600.0), ("--out", str, None)],

@@ -55,9 +55,10 @@ def test_verify_batch_bits_equal_solo_forward(pair):
         np.testing.assert_array_equal(cm.k[:, :, :cm.length], cs.k[:, :, :cs.length])
 
 
-def run_batched(target, draft, decs) -> list[list[int]]:
+def run_batched(target, draft, decs, rule=None) -> list[list[int]]:
     """Every decode/step.Decoding to the end as the engine runs them: each prefill in whole
-    chunks (as solo), then steps of all unfinished requests together. -> tokens per request."""
+    chunks (as solo), then steps of all unfinished requests together (`rule`: the batch's
+    verify-row budget, decode/batch_width.py). -> tokens per request."""
     out = [[] for _ in decs]
     for i, d in enumerate(decs):
         step = None
@@ -66,7 +67,7 @@ def run_batched(target, draft, decs) -> list[list[int]]:
         out[i] += step.token_ids
     while not all(d.finished for d in decs):
         live = [i for i, d in enumerate(decs) if not d.finished]
-        for i, step in zip(live, batched.step_batch(target, draft, [decs[i] for i in live])):
+        for i, step in zip(live, batched.step_batch(target, draft, [decs[i] for i in live], rule)):
             out[i] += step.token_ids
     return out
 

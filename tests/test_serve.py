@@ -105,7 +105,7 @@ def metrics(server) -> dict:
 
 
 # ---------------------------------------------------------------- solo references
-def solo(pair, prompt=None, messages=None, max_tokens=32, temperature=0.0, seed=None, block_size=None,
+def solo(pair, prompt=None, messages=None, max_tokens=32, temperature=0.0, seed=None, block_size="auto",
          top_k=0, stop=(), **template_kw):
     """(text, completion_tokens, finish_reason, steps' texts) the server should answer (serve/reference.py)."""
     target, draft = pair
@@ -219,6 +219,8 @@ MIXED = [  # prompt, max_tokens, block_size, temperature, seed, stream
     ("def main():", 48, 8, 1.0, 123, False),
     ("x = 1\n" * 100, 16, 6, 0.0, None, True),
     ("class Foo:", 7, 2, 0.7, 5, False),
+    ("The quick brown fox", 30, "auto", 0.0, None, True),  # the batch's verify-row budget
+    ("Dear diary,", 28, "auto", 0.9, 17, False),  # its own rule: == solo --block-size auto --seed 17
 ]
 
 
@@ -237,12 +239,12 @@ def test_concurrent_mixed_requests_each_equal_solo(server, client, solo_pair):
     want = [solo(solo_pair, p, max_tokens=n, block_size=Q, temperature=t, seed=s)[:3] for p, n, Q, t, s, _ in MIXED]
     before = metrics(server)
     with ThreadPoolExecutor(len(MIXED)) as pool:
-        got = list(pool.map(lambda r: _ask(client, *r), MIXED * 2))  # 12 requests, 4 run at a time
+        got = list(pool.map(lambda r: _ask(client, *r), MIXED * 2))  # 16 requests, 4 run at a time
     assert got == want * 2
     after = metrics(server)
     assert after["engine_batched_steps_total"] > before["engine_batched_steps_total"]  # they did share steps
     assert after['request_success_total{finished_reason="length"}'] - before.get(
-        'request_success_total{finished_reason="length"}', 0) == 12
+        'request_success_total{finished_reason="length"}', 0) == 2 * len(MIXED)
 
 
 def test_a_b_a_gives_a_twice(client):

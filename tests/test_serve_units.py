@@ -55,6 +55,8 @@ def test_fields_are_read_with_openai_defaults_and_precedence():
     r = parse({"prompt": [1, 2, 3], "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                "block_size": 3})
     assert (r.prompt_ids, r.stream, r.include_usage, r.block_size, r.max_tokens) == ([1, 2, 3], True, True, 3, None)
+    assert parse({"prompt": "a", "block_size": "auto"}).block_size == "auto"  # the batch's budget
+    assert parse({"prompt": "a"}).block_size is None  # the server's default
 
 
 @pytest.mark.parametrize("body,param", [
@@ -68,6 +70,7 @@ def test_fields_are_read_with_openai_defaults_and_precedence():
     ({"prompt": [1, 99]}, "prompt"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "block_size": "fast"}, "block_size"),
     ({"prompt": "a", "top_p": "high"}, "top_p"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "stop": ""}, "stop"),

@@ -207,6 +207,10 @@ class Decoding:
             step.logprobs = token_logprobs(rows[:len(step.token_ids)], step.token_ids, self._top_n, self.vv)
 
     # ---------------------------------------------------------------- one verify step
+    def budget_kmax(self) -> int:
+        """Drafts the next step could verify: the block and the token budget (before begin_step)."""
+        return min(self.Q, self.max_len - 1 - self.start) - 1
+
     def begin_step(self) -> DraftCall | None:
         """Start a step: Bv = rows to verify; when a draft runs (Bv >= 2), the draft work to do:
         the context update and the proposal (the draft always runs the runtime Q rows: its
@@ -216,7 +220,7 @@ class Decoding:
         drafted step, so speculation resumes on a complete context."""
         assert self.cache.length == self.start and len(self.ids) == self.start + 1, (
             self.cache.length, self.start, len(self.ids))
-        self.Bv = min(self.Q, self.max_len - 1 - self.start)  # remaining budget
+        self.Bv = self.budget_kmax() + 1  # remaining budget
         self.kmax, self._drafted = self.Bv - 1, False
         self._drafts, self._q = np.zeros(0, np.int64), None
         self._t0 = time.perf_counter()

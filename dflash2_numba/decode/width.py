@@ -156,8 +156,10 @@ def interpolate(points: dict[int, float], B: int) -> np.ndarray:
     return np.interp(np.arange(1, B + 1), rows, [points[r] for r in rows])
 
 
-def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budget_s: float = 1.0) -> CostTable:
-    """Time target forwards of each sweep row count after a `context`-token prefix (the
+def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budget_s: float = 1.0,
+                  rows: int | None = None) -> CostTable:
+    """Time target forwards of each sweep row count 1..`rows` (default B; the server's batch
+    budget sweeps max_running x B rows: decode/batch_width.py) after a `context`-token prefix (the
     minimum of up to `reps` rounds, interleaved so that load hits every count alike; rounds
     after the first stop once `budget_s` is spent, so a big model's sweep stays short) and the
     draft's B-row proposal. One forward of 1 and of B rows and one proposal run untimed first
@@ -165,16 +167,17 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
     from .sampling import SamplingParams
 
     t_start = time.perf_counter()
+    R = int(rows or B)
     vocab = max(2, min(int(getattr(target, "valid_vocab", None) or target.config.vocab_size),
                        target.config.vocab_size))
     limit = getattr(target.config, "max_position_embeddings", None) or 1 << 30
-    context = max(1, min(context, limit - B - 1))
-    ids = (np.arange(1, context + B + 1) % vocab).astype(np.int64)
+    context = max(1, min(context, limit - R - 1))
+    ids = (np.arange(1, context + R + 1) % vocab).astype(np.int64)
     taps_layers = tuple(draft.target_layer_ids)
-    cache = target.new_cache(context + B + 1)
+    cache = target.new_cache(context + R + 1)
     _, taps = target.forward(ids[:context], cache, tap_layers=taps_layers)  # the prefix
-    rows = sweep_rows(B)
-    best = {r: np.inf for r in rows}
+    counts = sweep_rows(R)
+    best = {r: np.inf for r in counts}
     d_best = np.inf
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     n_new = min(2, context)  # a step's context update: its accepted tokens + the bonus (about 2)
@@ -192,7 +195,7 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
         draft.propose(st, int(ids[context]), context, B, greedy, rng)
         return time.perf_counter() - t0
 
-    for r in (1, B):  # untimed
+    for r in (1, R):  # untimed
         target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
         cache.commit(context)
     draft_step()
@@ -200,17 +203,17 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
     for rep in range(1, reps + 1):
         if rep > 1 and time.perf_counter() - t_timed > budget_s:
             break
-        for r in rows:
+        for r in counts:
             t0 = time.perf_counter()
             target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
             dt = time.perf_counter() - t0
             cache.commit(context)
             best[r] = min(best[r], dt)
         d_best = min(d_best, draft_step())
-    return CostTable(interpolate(best, B), d_best, "sweep", time.perf_counter() - t_start)
+    return CostTable(interpolate(best, R), d_best, "sweep", time.perf_counter() - t_start)
 
 
-def _identity(target, draft, B: int, threads: int) -> dict | None:
+def _identity(target, draft, B: int, threads: int, rows: int) -> dict | None:
     """What the cost table depends on: model files, weight format, run mode, threads, the
     instruction-set path and CPU. None for models without a directory (test doubles)."""
     tdir = getattr(getattr(target, "checkpoint", None), "directory", None)
@@ -231,7 +234,7 @@ def _identity(target, draft, B: int, threads: int) -> dict | None:
             "target_format": str(getattr(target.ops, "quantize", None)),
             "draft_format": str(getattr(getattr(draft, "ops", None), "quantize", None)),
             "dtype": str(getattr(target, "dtype", None)), "device": str(getattr(target.ops, "device", None)),
-            "threads": int(threads), "B": int(B), "isa": info["isa"], "cpu": info["cpu_name"],
+            "threads": int(threads), "B": int(B), "rows": int(rows), "isa": info["isa"], "cpu": info["cpu_name"],
             "version": __version__, "sweep": SWEEP_RECIPE}
 
 
@@ -256,13 +259,13 @@ def _cache_file(ident: dict) -> Path:
     return cost_cache_dir() / f"costs-{key}.json"
 
 
-def _read_cached(path: Path, ident: dict, B: int) -> CostTable | None:
+def _read_cached(path: Path, ident: dict, rows: int) -> CostTable | None:
     try:
         raw = json.loads(path.read_text())
         if raw.get("identity") != ident:
             return None
         v, d = np.asarray(raw["verify_s"], np.float64), float(raw["draft_s"])
-        if v.shape != (B,):
+        if v.shape != (rows,):
             return None
         return CostTable(v, d, "cache")
     except (OSError, ValueError, KeyError, TypeError):
@@ -279,8 +282,9 @@ def _write_cached(path: Path, ident: dict, table: CostTable) -> None:
         pass  # a read-only cache: measured again next time
 
 
-def costs_for(target, draft, B: int) -> CostTable:
-    """The pair's cost table for B-row blocks at the current thread count: this process's copy
+def costs_for(target, draft, B: int, rows: int | None = None) -> CostTable:
+    """The pair's cost table for B-row blocks (verify counts 1..`rows`, default B) at the
+    current thread count: this process's copy
     (kept on the draft, refreshed online by every auto run), else the disk cache, else a sweep
     (then written to the cache)."""
     import numba
@@ -293,13 +297,14 @@ def costs_for(target, draft, B: int) -> CostTable:
             draft._width_costs = memo
         except AttributeError:
             pass
-    key = (int(B), threads)
+    rows = int(rows or B)
+    key = (int(B), threads, rows)
     if key in memo:
         return memo[key]
-    ident = _identity(target, draft, B, threads)
-    table = _read_cached(_cache_file(ident), ident, B) if ident is not None else None
+    ident = _identity(target, draft, B, threads, rows)
+    table = _read_cached(_cache_file(ident), ident, rows) if ident is not None else None
     if table is None:
-        table = measure_costs(target, draft, B)
+        table = measure_costs(target, draft, B, rows=rows)
         if ident is not None:
             _write_cached(_cache_file(ident), ident, table)
     memo[key] = table

@@ -19,6 +19,8 @@ correct, just not amortised. `batches_target` / `batches_draft` say which applie
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..decode.step import run_draft
@@ -102,16 +104,33 @@ def propose_batch(draft, calls: list) -> list:
     return out
 
 
-def step_batch(target, draft, decodings: list) -> list:
+def step_batch(target, draft, decodings: list, rule=None) -> list:
     """One speculative step of every request (decode/step.Decoding, prefill done, not
     finished): ONE draft forward over all their blocks, ONE verify forward over all their rows,
-    then each request accepts with its own rng -> the StepResult of each, in order."""
+    then each request accepts with its own rng -> the StepResult of each, in order. `rule`: the
+    batch's verify-row budget (decode/batch_width.BatchWidth) for the requests seated in it:
+    it decides who drafts before the draft forward and how many rows after, and learns the
+    batched step's measured costs."""
+    if rule is not None:
+        rule.plan(decodings)
     calls = [d.begin_step() for d in decodings]
     drafting = [i for i, c in enumerate(calls) if c is not None]
     props = [None] * len(decodings)
+    t0 = time.perf_counter()
     for i, p in zip(drafting, propose_batch(draft, [calls[i] for i in drafting]) if drafting else ()):
         props[i] = p
+    t1 = time.perf_counter()
+    if rule is not None:
+        rule.allot(decodings, props)
     blocks = [d.verify_ids(p) for d, p in zip(decodings, props)]  # [Bv_r] each
     tap_layers = decodings[0].tap_layers
+    t2 = time.perf_counter()
     outs = verify_batch(target, blocks, [d.cache for d in decodings], tap_layers)
-    return [d.accept(logits, taps) for d, (logits, taps) in zip(decodings, outs)]
+    t3 = time.perf_counter()
+    results = [d.accept(logits, taps) for d, (logits, taps) in zip(decodings, outs)]
+    if rule is not None:  # a draft step that fed a prompt's context is not a typical one
+        typical = all(decodings[i]._ctx_n <= decodings[i].Q for i in drafting)
+        trimmed = any(decodings[i].kmax < decodings[i].Q - 1 for i in drafting)
+        rule.record(len(drafting), t1 - t0, typical, sum(len(b) for b in blocks), t3 - t2,
+                    sum(len(r.token_ids) for r in results), trimmed)
+    return results

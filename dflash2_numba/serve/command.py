@@ -28,8 +28,9 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
     @quantize_option
     @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
     @click.option("--port", type=int, default=8000, show_default=True, help="Port (0: a free one).")
-    @click.option("--block-size", type=int, default=None,
-                  help="Default runtime Q per request (2..B; a request's block_size overrides it).")
+    @click.option("--block-size", default="auto", show_default=True, metavar="auto|Q",
+                  help="Default verify width per request: auto (greedy requests share one budget of verify "
+                       "rows, chosen from measured costs) or a fixed Q in 2..B; a request's block_size overrides it.")
     @click.option("--max-running", type=int, default=4, show_default=True,
                   help="Requests decoded together (batched) at most.")
     @click.option("--max-waiting", type=int, default=16, show_default=True,
@@ -50,6 +51,9 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
         except ImportError as e:
             raise ServeExtraMissingError(f"serve needs the optional extra: pip install 'dflash2-numba[serve]' "
                                          f"({e})") from None
+        from ..decode.width import parse_block_size
+
+        block_size = parse_block_size(block_size)  # "auto" | int >= 2 (BlockSizeError otherwise)
         model_id = DEFAULT_MODEL_ID if target_dir is None else Path(target_dir).resolve().name
         engine = Engine(lambda: load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)[2:],
                         max_running=max_running, max_waiting=max_waiting, block_size=block_size)

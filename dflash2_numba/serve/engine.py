@@ -9,12 +9,17 @@ Each engine step (continuous batching of speculative steps):
    first, up to PREFILL_CHUNK tokens per step in all, so a long prompt does not stall the rest;
 4. ONE draft forward over every running request's block and ONE target verify over all their
    rows (models/batched.step_batch); each request accepts with its own RNG, keeps its own Q and
-   budget edge (decode/step.Decoding: the same per-step code `stream_generate` runs);
+   budget edge (decode/step.Decoding: the same per-step code `stream_generate` runs). With
+   block_size "auto" (the default) the greedy requests share ONE budget of verify rows
+   (decode/batch_width.py: who drafts, how many rows, or a plain batched step); a sampled
+   request keeps its own one-request rule on the measured cost table;
 5. detokenise token by token, match stop strings (serve/stops.py), emit text, retire the
    finished.
 
 A request's output does not depend on what else runs: greedy, token for token its solo
-`generate`; seeded sampling, token for token its solo run with that seed (models/batched.py).
+`generate` (any width gives the target's argmax chain); seeded sampling, token for token its
+solo run with that seed and block size (models/batched.py; "auto": the solo rule on the
+measured table, decode/width.py).
 
 Events a sink receives (dicts): with echo first {"type": "prompt", "text", "logprobs"}; then
 {"type": "text", "text", "reasoning", "logprobs"} (reasoning: chat text a thinking format marks
@@ -33,7 +38,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..decode.batch_width import BatchWidth
 from ..decode.loop import check_context, runtime_block_size
+from ..decode.width import AUTO, costs_for, parse_block_size
 from ..decode.sampling import SamplingParams
 from ..decode.step import PREFILL_CHUNK, Decoding
 from ..errors import DFlashError, GenerationArgumentError, SelectorRefusedError
@@ -66,10 +73,15 @@ class Job:
 
 class Engine:
     """`load()` -> (target, draft | None), called on the engine thread (so /health answers 503
-    while it runs). `block_size`: the server's default Q (a request's `block_size` overrides)."""
+    while it runs). `block_size`: the server's default ("auto": the batch's verify-row budget;
+    an integer Q or None (the draft's B): a fixed width, the behaviour before "auto"); a
+    request's `block_size` overrides it."""
+
+    BUDGET_MAX_ROWS = 128  # the batch cost table's rows at most (max_running x B beyond: clipped)
 
     def __init__(self, load: Callable[[], tuple], *, max_running: int = 4, max_waiting: int = 16,
-                 block_size: int | None = None, warm: bool = True, on_fatal: Callable[[], None] = lambda: None):
+                 block_size: int | str | None = AUTO, warm: bool = True,
+                 on_fatal: Callable[[], None] = lambda: None):
         if max_running < 1 or max_waiting < 0:
             raise GenerationArgumentError(
                 f"--max-running must be >= 1 and --max-waiting >= 0, got {max_running}, {max_waiting}")
@@ -77,6 +89,7 @@ class Engine:
         self.max_running, self.max_waiting, self.block_size = int(max_running), int(max_waiting), block_size
         self.state, self.load_error = LOADING, None
         self.target = self.draft = None
+        self.budget: BatchWidth | None = None  # the greedy "auto" requests' verify-row budget
         self.reasoning = None  # the target tokenizer's thinking format (serve/reasoning.py)
         self.metrics = Metrics()
         self.cond = threading.Condition()
@@ -198,8 +211,9 @@ class Engine:
         """Compile the kernels a batched step runs (the solo warm-up, then a two-request batch)."""
         from ..decode.warmup import warm_up
 
-        Q = self.block_size or (self.draft.block_size if self.draft is not None else None)
-        warm_up(self.target, self.draft, block_size=Q)
+        auto = self.draft is not None and parse_block_size(self.block_size) == AUTO
+        Q = self.draft.block_size if auto or (self.draft is not None and self.block_size is None) else self.block_size
+        warm_up(self.target, self.draft, block_size=AUTO if auto else Q)  # "auto": the cost table too
         ids = [i % max(1, self.target.valid_vocab) for i in range(1, 9)]
         decs = [self._decoding(GenRequest("completion", "", ids, 6, SamplingParams(0.0), block_size=Q)) for _ in range(2)]
         for d in decs:
@@ -207,6 +221,8 @@ class Engine:
                 pass
         while not all(d.finished for d in decs):
             step_batch(self.target, self.draft, [d for d in decs if not d.finished])
+        if auto:
+            self._budget()  # the batch cost table: a sweep of up to max_running x B rows (cached)
 
     def describe(self) -> str:
         """What batches here (printed at start): the draft forward and the verify forward."""
@@ -214,11 +230,28 @@ class Engine:
         d = "none" if self.draft is None else ("batched" if batches_draft(self.draft) else "per request")
         return f"verify forward: {t}; draft forward: {d}"
 
+    def _budget(self) -> BatchWidth:
+        if self.budget is None:
+            B = int(self.draft.block_size)
+            rows = min(self.max_running * B, max(B, self.BUDGET_MAX_ROWS))
+            self.budget = BatchWidth(costs_for(self.target, self.draft, B, rows=rows), B, self.max_running)
+        return self.budget
+
+    def _width(self, req: GenRequest):
+        """The request's width rule: None (fixed Q); "auto": a seat in the batch's budget
+        (greedy), else the one-request rule on the measured table, no online refresh (its draws
+        then depend on its seed and the table only: its solo run's)."""
+        given = req.block_size if req.block_size is not None else self.block_size
+        if self.draft is None or parse_block_size(given) != AUTO:
+            return None
+        return self._budget().width_for(req.sampling, self.target, self.draft)
+
     def _decoding(self, req: GenRequest) -> Decoding:
         Q = 1 if self.draft is None else runtime_block_size(
             self.draft, req.block_size if req.block_size is not None else self.block_size)
         return Decoding(self.target, self.draft, req.prompt_ids, req.max_tokens, Q, req.sampling, (), text=False,
-                        logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None)
+                        logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
+                        width=self._width(req))
 
     def _loop(self) -> None:
         while True:
@@ -278,7 +311,7 @@ class Engine:
         if not live:
             return
         try:
-            steps = step_batch(self.target, self.draft, [j.dec for j in live])
+            steps = step_batch(self.target, self.draft, [j.dec for j in live], self.budget)
         except Exception as e:  # a refusal (NonFiniteLogitsError, ...) or a bug: end this step's requests
             if not isinstance(e, DFlashError):
                 traceback.print_exc(file=sys.stderr)

@@ -25,6 +25,7 @@ from ..errors import (ChatTemplateError, ChatTemplateMissingError, ContextLength
                       GenerationArgumentError)
 from ..decode.logprobs import MAX_TOP_LOGPROBS
 from ..decode.sampling import SamplingParams
+from ..decode.width import AUTO
 
 DEFAULT_MAX_TOKENS = 256  # when a request names no max_tokens (capped by the context left)
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; evaluators (lm-eval's `until` + eos) may send more, as vLLM accepts
@@ -94,7 +95,7 @@ class GenRequest:
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
-    block_size: int | None = None
+    block_size: int | str | None = None  # "auto" | Q | None (the server's default)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -114,6 +115,13 @@ def _typed(body: dict, name: str, types, what: str, default=None):
         raise BadRequest(f"'{name}' must be {what}, got {type(value).__name__} {value!r}", param=name,
                          code="invalid_type")
     return value
+
+
+def _block_size(body: dict) -> int | str | None:
+    """The `block_size` extension: "auto" or an integer (2..B, checked by the engine)."""
+    if body.get("block_size") == AUTO:
+        return AUTO
+    return _typed(body, "block_size", int, 'an integer or "auto"', None)
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
@@ -281,7 +289,7 @@ def parse_requests(body, kind: str, model_ids, tokenizer, vocab: int) -> list[Ge
             prompts = [_check_ids(p, vocab, "prompt") for p in completion_prompts(body, tokenizer)]
     except DFlashError as e:
         raise as_request_error(e) from None
-    block_size, stop = _typed(body, "block_size", int, "an integer", None), _stop(body)
+    block_size, stop = _block_size(body), _stop(body)
     return [GenRequest(kind, model, ids, max_tokens, sampling, block_size=block_size, stop=stop, stream=stream,
                        include_usage=include_usage, logprobs=logprobs, echo=echo, index=i,
                        enable_thinking=thinking)
