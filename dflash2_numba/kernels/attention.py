@@ -86,26 +86,21 @@ def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs
 
 
 # ------------------------------------------------------------------ numba kernels
-# Two loop orders over the same math, picked per call by the number of query rows that share a
-# KV head (R = nq * nh / nkv):
-#   rows (R < TRANSPOSE_MIN_ROWS, e.g. one decode token): one item per (query, KV head); scores
-#     are dot products over hd on C-contiguous k rows, V is accumulated row by row;
-#   transposed (verify / draft blocks): one item per KV head; its K and V are copied once to
-#     [hd, T] scratch, so scores (q_j * K^T[j, :]) and outputs (p . V^T[j, :]) run over T in
-#     long vector loops without per-key horizontal sums. The copy costs 2*T*hd moves per KV
-#     head, which only R >= TRANSPOSE_MIN_ROWS query rows pay back (measured ~2x at R = 16).
-# Both take exp from `_exp_shifted`, a branch-free expf that LLVM vectorises.
-TRANSPOSE_MIN_ROWS = 8
-
-
-@njit(inline="always")
-def use_transposed(nq, nh, nkv, causal):
-    """The transposed order for blocks of >= TRANSPOSE_MIN_ROWS rows per KV head, but never for
-    causal attention (the target's verify): its reductions run over a different grouping than a
-    one-row step's, and a Q-row verify must give the bits of Q one-row steps (lossless greedy
-    at every weight format: an int8 activation rounding turns a 1-ulp difference into a logit
-    change)."""
-    return (not causal) and nq * nh // nkv >= TRANSPOSE_MIN_ROWS
+# Block attention that streams K/V once (flash-decoding style). The keys are cut into TILEs of
+# TILE consecutive key ROWS (tile b = rows b*TILE .. b*TILE+TILE-1, fixed whatever T, the number
+# of query rows or threads). One work item = (tile, KV head): it reads that tile of K and V once
+# (from memory into L2) and computes, for EVERY query row and every query head of the KV head's
+# GQA group, the tile's partial softmax: m = max of the visible scores, l = sum exp(s - m),
+# acc = sum exp(s - m) v. Items are independent, so a long context splits over threads (prange
+# over tiles x KV heads) however few the rows. A second pass merges each (row, head)'s partials
+# over tiles 0, 1, 2, ... in that FIXED order (m' = max, rescale both sides by exp(m - m')).
+#
+# Row invariance (a Q-row verify gives the bits of Q one-row steps): a row's partial over a tile
+# loops exactly over its visible keys of that tile [lo, hi) (for a causal query at position p
+# the tile's keys up to p), so its trip counts, hence LLVM's vector groupings, and its tile
+# boundaries are those of the one-row step at p, and the merge visits the same tiles in the
+# same order. Nothing a row computes reads another row.
+TILE = 256  # keys per tile: 2 * 256 * hd * 4 B of K/V (128 KiB at hd 64) stays in L2
 
 
 @njit(inline="always")
@@ -135,135 +130,134 @@ def _exp_shifted(s, n, mx):
         s[t] = _exp_f32(s[t] - mx)
 
 
+@njit(nogil=True)  # not fastmath, as _exp_shifted: called from the merge
+def _exp_scalar(x):
+    return _exp_f32(x)
+
+
 @njit(inline="always")
 def _visible(qp, kp, causal, window):
     d = qp - kp  # query position minus key position
     return not ((causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)))
 
 
-@njit(inline="always")
-def _softmax_weights(s, vis, T, bf16_probs):
-    """s [>=T] scaled scores -> unnormalised weights exp(s - max) in place (0 where not
-    visible; bf16-rounded in bf16_probs mode). Returns 1 / sum of the UNROUNDED weights, or 0
-    when no key is visible (the caller writes zeros)."""
-    mx = np.float32(-np.inf)
-    for t in range(T):
-        if vis[t] and s[t] > mx:
-            mx = s[t]
-    if mx == -np.inf:
-        return np.float32(0.0)
-    _exp_shifted(s, T, mx)
-    total = np.float32(0.0)
-    for t in range(T):
-        w = s[t] if vis[t] else np.float32(0.0)
-        total += w
-        s[t] = round_bf16(w) if bf16_probs else w
-    return np.float32(1.0) / total
-
-
 @njit(fastmath={"reassoc"}, nogil=True)  # its own flags: called, not inlined (see the drivers)
-def _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item):
-    """Query i = item // nkv with its g = nh // nkv heads sharing KV head kvh = item % nkv.
-    q [nq, nh, hd], k/v [nkv, >=T, hd] C-contiguous, out [nq, nh, hd] written."""
+def _tile_partial(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, pm, pl, pacc, item):
+    """Work item `item` = (tile b = item // nkv, KV head kvh = item % nkv): for every query i and
+    head h of kvh's group, the partial softmax over the tile's visible keys:
+        pm[b, i, h] = max score (-inf: none visible), pl[b, i, h] = sum of the UNROUNDED weights,
+        pacc[b, i, h] = sum of the weights (bf16-rounded in bf16_probs mode) times V rows.
+    q [nq, nh, hd], k/v [nkv, >=T, hd] C-contiguous; pm, pl [nb, nq, nh], pacc [nb, nq, nh, hd]."""
     nq, nh, hd = q.shape
     nkv = k.shape[0]
     g = nh // nkv
-    i, kvh = item // nkv, item % nkv
+    b, kvh = item // nkv, item % nkv
+    t0 = b * TILE
+    n = min(T, t0 + TILE) - t0  # keys in this tile
     scale = np.float32(1.0) / np.sqrt(np.float32(hd))
-    vis = np.empty(T, dtype=np.bool_)  # [T] may query i see key t
-    s = np.empty(T, dtype=np.float32)  # [T] scores of one head, then its weights
+    vis = np.empty(n, dtype=np.bool_)  # [n] may query i see key t0 + t
+    s = np.empty(n, dtype=np.float32)  # [n] scores of one head, then its weights
     acc = np.empty(hd, dtype=np.float32)  # [hd]
-    Te = 0  # keys up to the last visible one: the loops stop there, so a query of a causal block
-    for t in range(T):  # runs exactly the loops (trip counts, hence vector groupings) of the
-        vis[t] = _visible(q_pos[i], k_pos[t], causal, window)  # one-row step at its position:
-        if vis[t]:  # a Q-row verify gives the bits of Q single steps
-            Te = t + 1
-    for h in range(kvh * g, (kvh + 1) * g):
-        for t in range(Te):
-            a = np.float32(0.0)
-            for j in range(hd):
-                a += q[i, h, j] * k[kvh, t, j]
-            s[t] = a * scale
-        inv = _softmax_weights(s, vis, Te, bf16_probs)
-        acc[:] = np.float32(0.0)
-        for t in range(Te):
-            if vis[t]:  # skipped, not weighted by 0: an inf/NaN in an unseen row never leaks
-                w = s[t]
-                for j in range(hd):
-                    acc[j] += w * v[kvh, t, j]
+    for i in range(nq):
+        lo, hi = n, 0  # the row's visible keys of the tile lie in [lo, hi)
+        for t in range(n):
+            vis[t] = _visible(q_pos[i], k_pos[t0 + t], causal, window)
+            if vis[t]:
+                lo = min(lo, t)
+                hi = t + 1
+        for h in range(kvh * g, (kvh + 1) * g):
+            if hi == 0:
+                pm[b, i, h] = np.float32(-np.inf)
+                pl[b, i, h] = np.float32(0.0)
+                continue
+            _scores(q, i, h, k, kvh, t0, scale, s, lo, hi)
+            mx = np.float32(-np.inf)
+            for t in range(lo, hi):
+                if vis[t] and s[t] > mx:
+                    mx = s[t]
+            _exp_shifted(s[lo:hi], hi - lo, mx)
+            total = np.float32(0.0)
+            acc[:] = np.float32(0.0)
+            for t in range(lo, hi):
+                if vis[t]:  # skipped, not weighted by 0: an inf/NaN in an unseen row never leaks
+                    total += s[t]
+                    w = round_bf16(s[t]) if bf16_probs else s[t]
+                    for j in range(hd):
+                        acc[j] += w * v[kvh, t0 + t, j]
+            pm[b, i, h] = mx
+            pl[b, i, h] = total
+            pacc[b, i, h, :] = acc
+
+
+@njit(inline="always")
+def _scores(q, i, h, k, kvh, t0, scale, s, lo, hi):
+    """s[t] = (q[i, h] . k[kvh, t0 + t]) * scale for t in [lo, hi): one dot product per key (a
+    vector loop over hd), so a key's score has the same bits whatever rows share the tile."""
+    hd = q.shape[2]
+    for t in range(lo, hi):
+        a = np.float32(0.0)
         for j in range(hd):
-            out[i, h, j] = acc[j] * inv
+            a += q[i, h, j] * k[kvh, t0 + t, j]
+        s[t] = a * scale
 
 
 @njit(fastmath={"reassoc"}, nogil=True)
-def _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, kvh):
-    """Every query row of KV head kvh (nq queries x its g heads). Shapes as `_attend_rows`."""
-    nq, nh, hd = q.shape
-    g = nh // k.shape[0]
-    scale = np.float32(1.0) / np.sqrt(np.float32(hd))
-    kT = np.empty((hd, T), dtype=np.float32)  # [hd, T] K of this head, transposed
-    vT = np.empty((hd, T), dtype=np.float32)  # [hd, T]
-    for t in range(T):
+def _merge_tiles(pm, pl, pacc, out, item):
+    """out[i, h] for item = i * nh + h: the tiles' partials merged in tile order 0, 1, ..., then
+    normalised; a zero row when no tile saw a key. Shapes as `_tile_partial`."""
+    nb, nq, nh, hd = pacc.shape
+    i, h = item // nh, item % nh
+    m, l = np.float32(-np.inf), np.float32(0.0)
+    acc = np.zeros(hd, dtype=np.float32)  # [hd]
+    for b in range(nb):
+        mb = pm[b, i, h]
+        if mb == -np.inf:
+            continue
+        if m == -np.inf:  # the first tile with a visible key
+            m, l = mb, pl[b, i, h]
+            acc[:] = pacc[b, i, h]
+            continue
+        mn = max(m, mb)
+        a, c = _exp_scalar(m - mn), _exp_scalar(mb - mn)  # rescale the running and the tile's side
+        l = l * a + pl[b, i, h] * c
         for j in range(hd):
-            kT[j, t] = k[kvh, t, j]
-            vT[j, t] = v[kvh, t, j]
-    vis = np.empty(T, dtype=np.bool_)
-    s = np.empty(T, dtype=np.float32)
-    for i in range(nq):
-        for t in range(T):
-            vis[t] = _visible(q_pos[i], k_pos[t], causal, window)
-        for h in range(kvh * g, (kvh + 1) * g):
-            s[:T] = np.float32(0.0)
-            for j in range(0, hd, 4):  # s += q_j * K^T[j, :], vector loops over T, 4 j per pass
-                j1 = min(j + 1, hd - 1)  # hd % 4 tail: clamped rows get a zero coefficient
-                j2 = min(j + 2, hd - 1)
-                j3 = min(j + 3, hd - 1)
-                q0 = q[i, h, j] * scale
-                q1 = q[i, h, j1] * scale if j + 1 < hd else np.float32(0.0)
-                q2 = q[i, h, j2] * scale if j + 2 < hd else np.float32(0.0)
-                q3 = q[i, h, j3] * scale if j + 3 < hd else np.float32(0.0)
-                for t in range(T):
-                    s[t] += q0 * kT[j, t] + q1 * kT[j1, t] + q2 * kT[j2, t] + q3 * kT[j3, t]
-            inv = _softmax_weights(s, vis, T, bf16_probs)
-            # out_j = sum_t w_t V^T[j, t]; an unseen key has weight exactly 0 (a select here
-            # would halve the speed; V rows are cache rows the model wrote, so finite)
-            for j in range(hd):
-                a = np.float32(0.0)
-                for t in range(T):
-                    a += s[t] * vT[j, t]
-                out[i, h, j] = a * inv
+            acc[j] = acc[j] * a + pacc[b, i, h, j] * c
+        m = mn
+    inv = np.float32(1.0) / l if m != -np.inf else np.float32(0.0)
+    for j in range(hd):
+        out[i, h, j] = acc[j] * inv
 
 
 @njit(inline="always")
-def _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item):
-    """Work item `item` of the chosen loop order (see `_n_items`)."""
-    if transposed:
-        _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
-    else:
-        _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, item)
-
-
-@njit(inline="always")
-def _n_items(q, k, transposed):
-    """KV heads (transposed order) or (query, KV head) pairs (row order)."""
-    return k.shape[0] if transposed else q.shape[0] * k.shape[0]
+def _partials(nb, q):
+    """Scratch of the per-tile partials: pm, pl [nb, nq, nh], pacc [nb, nq, nh, hd]."""
+    nq, nh, hd = q.shape
+    return (np.empty((nb, nq, nh), np.float32), np.empty((nb, nq, nh), np.float32),
+            np.empty((nb, nq, nh, hd), np.float32))
 
 
 # Drivers: parallel over items and a serial twin for small work (fork/join would dominate). The
-# two item functions are CALLED, compiled once with the drivers' fastmath ("reassoc", which lets
-# LLVM vectorise the reductions) as their own flags: inlined at numba-IR level they cost ~1 s more
-# of a cold compile (numba's inliner is slow on loops this size), and the bits are the same
-# (checked against the inlined build on 1600 random shapes, both orders and drivers: docs/cold_start.md).
+# item functions are CALLED, compiled once with the drivers' fastmath ("reassoc", which lets LLVM
+# vectorise the reductions) as their own flags, so both drivers run the same machine code for a
+# (tile, row, head): the same bits (tests/test_attention.py checks serial == parallel bitwise).
 @njit(parallel=True, fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_par(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
-    for item in prange(_n_items(q, k, transposed)):
-        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item)
+def _attention_par(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out):
+    nb = (T + TILE - 1) // TILE
+    pm, pl, pacc = _partials(nb, q)
+    for item in prange(nb * k.shape[0]):
+        _tile_partial(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, pm, pl, pacc, item)
+    for item in prange(q.shape[0] * q.shape[1]):
+        _merge_tiles(pm, pl, pacc, out, item)
 
 
 @njit(fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_ser(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed):
-    for item in range(_n_items(q, k, transposed)):
-        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out, transposed, item)
+def _attention_ser(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out):
+    nb = (T + TILE - 1) // TILE
+    pm, pl, pacc = _partials(nb, q)
+    for item in range(nb * k.shape[0]):
+        _tile_partial(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, pm, pl, pacc, item)
+    for item in range(q.shape[0] * q.shape[1]):
+        _merge_tiles(pm, pl, pacc, out, item)
 
 
 def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None):
@@ -280,7 +274,5 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     if not (k.flags.c_contiguous and v.flags.c_contiguous):  # C layout is what vectorises
         k, v = np.ascontiguousarray(k[:, :T]), np.ascontiguousarray(v[:, :T])
     kernel = _attention_par if use_parallel(q.size * T) else _attention_ser
-    # use_transposed's rule, read here from the module global (tests force either order)
-    transposed = (not causal) and q.shape[0] * q.shape[1] // k.shape[0] >= TRANSPOSE_MIN_ROWS
-    kernel(q, k, v, q_pos, k_pos, T, bool(causal), int(window), bool(bf16_probs), out, transposed)
+    kernel(q, k, v, q_pos, k_pos, T, bool(causal), int(window), bool(bf16_probs), out)
     return out

@@ -44,7 +44,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
-from .attention import _attention_par, _attention_ser, use_transposed
+from .attention import _attention_par, _attention_ser
 from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
 from .linear import GEMV_MAX_ROWS
 from ..quant.weights import gemv_weights, in_features, panel_columns, weight_size
@@ -191,11 +191,10 @@ def _attention(q, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, parall
     (parallel: compile-time constant, as in `_linear`)."""
     out = np.empty(q.shape, np.float32)
     T = k_pos.shape[0]
-    transposed = use_transposed(q.shape[0], q.shape[1], kbuf.shape[0], causal)
     if parallel and q.size * T >= par_min_macs:
-        _attention_par(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), out, transposed)
+        _attention_par(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), out)
     else:
-        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), out, transposed)
+        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), out)
     return out
 
 
