@@ -20,8 +20,9 @@ import pytest
 from dflash2_numba.kernels import attention as attention_module
 from dflash2_numba.kernels.attention import TILE, attention, attention_reference
 
-# contexts crossing the tile boundaries; the block's rows sit at its end
-CONTEXTS = (TILE - 1, TILE, TILE + 1, 2 * TILE + 3, 3 * TILE + TILE // 2)
+# contexts crossing the tile boundaries (3 * TILE + 3: a block whose early rows see 3 tiles, its
+# late ones 4 -- two-tile merges commute, three do not); the block's rows sit at its end
+CONTEXTS = (TILE - 1, TILE, TILE + 1, 2 * TILE + 3, 3 * TILE + 3, 4 * TILE + TILE // 2)
 
 
 def _case(seed, nq, nh, nkv, hd, T):
