@@ -35,6 +35,8 @@ class DecodeStats:
     block_rows: list[int] = field(default_factory=list)  # rows verified per step (Bv): the chosen widths
     width: str = "fixed"  # the verify width rule: "fixed" (min(Q, budget) rows) | "auto" (decode/width.py)
     drafted_steps: int = 0  # steps that ran the draft (auto may choose plain target steps)
+    draft_window: int = 0  # the draft attends to the last N context positions (0 = all of them)
+    kv_cache_bytes: int = 0  # target KV cache bytes held at the run's context (prompt + new tokens)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -12,6 +12,8 @@ Visibility of key s (position k_pos[s]) from query i (position q_pos[i]):
     causal:     k_pos[s] <= q_pos[i]
     window > 0: |q_pos[i] - k_pos[s]| <= window - 1      (symmetric sliding window)
     both flags combine with AND; causal=False, window=0 is full attention.
+    first (default 0): key ROWS before it are not visible either (the draft window: the draft
+    attends to the last N context positions, first = p - N).
 GQA: query head h reads KV head h // (nh // nkv). Scale hd^-0.5, softmax in f32 with the max
 subtracted. A query that sees no key gets a zero output row (cannot happen for the target's
 causal use: every query sees itself).
@@ -62,7 +64,14 @@ def visibility(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, window: int) 
     return vis
 
 
-def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False):
+def _check_first(first, T) -> int:
+    first = int(first)
+    if not 0 <= first <= T:
+        raise ValueError(f"attention: first key row {first} outside 0..{T}")
+    return first
+
+
+def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, first=0):
     """Plain numpy (picoGPT style). Shapes as in the module docstring."""
     q, k, v = (np.asarray(a, dtype=np.float32) for a in (q, k, v))
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
@@ -74,6 +83,7 @@ def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs
     vh = np.repeat(v, g, axis=0)  # [nh, T, hd]
     scores = np.einsum("qhd,htd->hqt", q, kh) * np.float32(hd**-0.5)  # [nh, nq, T]
     vis = visibility(q_pos, k_pos, causal, window)  # [nq, T]
+    vis[:, : _check_first(first, len(k_pos))] = False  # key rows before `first` (the draft window)
     scores = np.where(vis[None], scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True)  # [nh, nq, 1]
     m = np.where(np.isfinite(m), m, 0)  # rows with no visible key: all weights 0
@@ -142,9 +152,9 @@ def _visible(qp, kp, causal, window):
 
 
 @njit(fastmath={"reassoc"}, nogil=True)  # its own flags: called, not inlined (see the drivers)
-def _tile_partial(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, pm, pl, pacc, item):
+def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item):
     """Work item `item` = (tile b = item // nkv, KV head kvh = item % nkv): for every query i and
-    head h of kvh's group, the partial softmax over the tile's visible keys:
+    head h of kvh's group, the partial softmax over the tile's visible keys (rows first..T-1):
         pm[b, i, h] = max score (-inf: none visible), pl[b, i, h] = sum of the UNROUNDED weights,
         pacc[b, i, h] = sum of the weights (bf16-rounded in bf16_probs mode) times V rows.
     q [nq, nh, hd], k/v [nkv, >=T, hd] C-contiguous; pm, pl [nb, nq, nh], pacc [nb, nq, nh, hd]."""
@@ -161,7 +171,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, pm, pl, 
     for i in range(nq):
         lo, hi = n, 0  # the row's visible keys of the tile lie in [lo, hi)
         for t in range(n):
-            vis[t] = _visible(q_pos[i], k_pos[t0 + t], causal, window)
+            vis[t] = t0 + t >= first and _visible(q_pos[i], k_pos[t0 + t], causal, window)
             if vis[t]:
                 lo = min(lo, t)
                 hi = t + 1
@@ -202,14 +212,14 @@ def _scores(q, i, h, k, kvh, t0, scale, s, lo, hi):
 
 
 @njit(fastmath={"reassoc"}, nogil=True)
-def _merge_tiles(pm, pl, pacc, out, item):
-    """out[i, h] for item = i * nh + h: the tiles' partials merged in tile order 0, 1, ..., then
+def _merge_tiles(pm, pl, pacc, b0, out, item):
+    """out[i, h] for item = i * nh + h: the partials of tiles b0, b0 + 1, ... merged in that order, then
     normalised; a zero row when no tile saw a key. Shapes as `_tile_partial`."""
     nb, nq, nh, hd = pacc.shape
     i, h = item // nh, item % nh
     m, l = np.float32(-np.inf), np.float32(0.0)
     acc = np.zeros(hd, dtype=np.float32)  # [hd]
-    for b in range(nb):
+    for b in range(b0, nb):
         mb = pm[b, i, h]
         if mb == -np.inf:
             continue
@@ -239,28 +249,29 @@ def _partials(nb, q):
 # Drivers: parallel over items and a serial twin for small work (fork/join would dominate). The
 # item functions are CALLED, compiled once with the drivers' fastmath ("reassoc", which lets LLVM
 # vectorise the reductions) as their own flags, so both drivers run the same machine code for a
-# (tile, row, head): the same bits (tests/test_attention.py checks serial == parallel bitwise).
+# (tile, row, head): the same bits (tests/test_block_attention.py checks serial == parallel bitwise).
+# Keys are rows first..T-1 (first > 0: the draft window); tiles before first // TILE are skipped.
 @njit(parallel=True, fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_par(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out):
-    nb = (T + TILE - 1) // TILE
+def _attention_par(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, out):
+    nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
     pm, pl, pacc = _partials(nb, q)
-    for item in prange(nb * k.shape[0]):
-        _tile_partial(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, pm, pl, pacc, item)
+    for item in prange((nb - b0) * nkv):
+        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item + b0 * nkv)
     for item in prange(q.shape[0] * q.shape[1]):
-        _merge_tiles(pm, pl, pacc, out, item)
+        _merge_tiles(pm, pl, pacc, b0, out, item)
 
 
 @njit(fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_ser(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, out):
-    nb = (T + TILE - 1) // TILE
+def _attention_ser(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, out):
+    nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
     pm, pl, pacc = _partials(nb, q)
-    for item in range(nb * k.shape[0]):
-        _tile_partial(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, pm, pl, pacc, item)
+    for item in range((nb - b0) * nkv):
+        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item + b0 * nkv)
     for item in range(q.shape[0] * q.shape[1]):
-        _merge_tiles(pm, pl, pacc, out, item)
+        _merge_tiles(pm, pl, pacc, b0, out, item)
 
 
-def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None):
+def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None, first=0):
     """numba kernel; same contract as `attention_reference`."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
@@ -274,5 +285,6 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     if not (k.flags.c_contiguous and v.flags.c_contiguous):  # C layout is what vectorises
         k, v = np.ascontiguousarray(k[:, :T]), np.ascontiguousarray(v[:, :T])
     kernel = _attention_par if use_parallel(q.size * T) else _attention_ser
-    kernel(q, k, v, q_pos, k_pos, T, bool(causal), int(window), bool(bf16_probs), out)
+    first = _check_first(first, T)
+    kernel(q, k, v, q_pos, k_pos, first, T, bool(causal), int(window), bool(bf16_probs), out)
     return out
