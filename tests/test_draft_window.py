@@ -87,3 +87,27 @@ def test_generate_with_window_is_lossless_and_reported(tmp_path, target_dir, tar
     with pytest.raises(GenerationArgumentError, match="no context attention"):
         dn.generate(target, dn.OracleDrafter(target, block_size=4), prompt_ids=prompt, max_new_tokens=4,
                     draft_window=8)
+
+
+def test_server_request_field_and_refusals(target):
+    """`draft_window` in a request body: parsed, typed (400 on a wrong type), and refused with its
+    param named for a drafter without context attention or a negative value."""
+    from dflash2_numba.decode.sampling import SamplingParams
+    from dflash2_numba.serve.engine import Engine
+    from dflash2_numba.serve.protocol import BadRequest, GenRequest
+    from test_serve_units import parse
+
+    assert parse({"prompt": [1, 2], "draft_window": 64}).draft_window == 64
+    assert parse({"prompt": [1, 2]}).draft_window is None
+    with pytest.raises(BadRequest) as e:
+        parse({"prompt": [1, 2], "draft_window": "64"})
+    assert e.value.param == "draft_window"
+    engine = Engine.__new__(Engine)  # the checks only: no model load, no worker thread
+    engine.target, engine.block_size, engine.draft_window = target, None, 32
+    for draft, window in ((dn.OracleDrafter(target, block_size=4), 8), (None, -1)):
+        engine.draft = draft
+        with pytest.raises(Exception) as e:
+            engine.check(GenRequest("completion", "m", [1, 2], 4, SamplingParams(0.0), draft_window=window))
+        assert getattr(e.value, "param", None) == "draft_window", e.value
+    engine.draft = None
+    assert engine._draft_window(GenRequest("completion", "m", [1, 2], 4, SamplingParams(0.0))) == 32

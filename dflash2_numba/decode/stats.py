@@ -127,6 +127,9 @@ class DecodeStats:
                      + ("s" if self.threads != 1 else ""))
         if self.compile_s is not None:
             lines.append(f"compile  {self.compile_s:.1f}s first-run kernel compilation (not in the times above)")
+        if self.kv_cache_bytes:
+            lines.append(f"kv cache {self.kv_cache_bytes / 2**20:.1f} MiB at {self.prompt_tokens + self.new_tokens} "
+                         f"positions" + (f"; draft window {self.draft_window}" if self.draft_window else ""))
         if self.peak_rss_mb is not None:
             lines.append(f"memory   {self.peak_rss_mb:.0f} MB peak resident (weights, caches, kernels)")
         if self.baseline_tokens_per_s is not None:

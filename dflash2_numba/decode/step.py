@@ -300,6 +300,9 @@ class Decoding:
         if reason is None and len(self.ids) - self.n == self.max_new:
             reason = "length"
         self.stats.new_tokens = len(self.ids) - self.n
+        kv = getattr(self.cache, "kv", self.cache)  # a hybrid target's attention layers hold a KVCache
+        if hasattr(kv, "bytes_at"):
+            self.stats.kv_cache_bytes = kv.bytes_at(len(self.ids))
         text = ""
         if self.decoder is not None:
             text = self.decoder.feed(new) + (self.decoder.flush() if reason else "")

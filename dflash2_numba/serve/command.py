@@ -30,6 +30,9 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
     @click.option("--port", type=int, default=8000, show_default=True, help="Port (0: a free one).")
     @click.option("--block-size", type=int, default=None,
                   help="Default runtime Q per request (2..B; a request's block_size overrides it).")
+    @click.option("--draft-window", type=int, default=0, show_default=True, metavar="N",
+                  help="Default draft window: the draft attends to the last N context positions (0 = all; "
+                       "a request's draft_window overrides it).")
     @click.option("--max-running", type=int, default=4, show_default=True,
                   help="Requests decoded together (batched) at most.")
     @click.option("--max-waiting", type=int, default=16, show_default=True,
@@ -40,8 +43,8 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
                   help="Largest request body (MiB); a larger one gets 413 before it is read.")
     @click.option("--max-json-depth", type=int, default=32, show_default=True,
                   help="Deepest JSON nesting a request body may have (400 past it).")
-    def serve(target_dir, draft_dir, device, threads, dtype, host, port, block_size, max_running, max_waiting,
-              shutdown_grace, max_body_mb, max_json_depth, quantize=None):
+    def serve(target_dir, draft_dir, device, threads, dtype, host, port, block_size, draft_window, max_running,
+              max_waiting, shutdown_grace, max_body_mb, max_json_depth, quantize=None):
         """OpenAI-compatible HTTP server (chat / completions, streamed or not) that batches requests."""
         try:
             from .engine import Engine
@@ -52,7 +55,8 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
                                          f"({e})") from None
         model_id = DEFAULT_MODEL_ID if target_dir is None else Path(target_dir).resolve().name
         engine = Engine(lambda: load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)[2:],
-                        max_running=max_running, max_waiting=max_waiting, block_size=block_size)
+                        max_running=max_running, max_waiting=max_waiting, block_size=block_size,
+                        draft_window=draft_window)
         if max_body_mb <= 0 or max_json_depth < 2:
             raise click.BadParameter("--max-body-mb must be > 0 and --max-json-depth >= 2")
         limits = Limits(int(max_body_mb * 1024 * 1024), max_json_depth)

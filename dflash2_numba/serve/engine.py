@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..decode.loop import check_context, runtime_block_size
+from ..decode.loop import check_context, check_draft_window, runtime_block_size
 from ..decode.sampling import SamplingParams
 from ..decode.step import PREFILL_CHUNK, Decoding
 from ..errors import DFlashError, GenerationArgumentError, SelectorRefusedError
@@ -70,12 +70,14 @@ class Engine:
     while it runs). `block_size`: the server's default Q (a request's `block_size` overrides)."""
 
     def __init__(self, load: Callable[[], tuple], *, max_running: int = 4, max_waiting: int = 16,
-                 block_size: int | None = None, warm: bool = True, on_fatal: Callable[[], None] = lambda: None):
+                 block_size: int | None = None, warm: bool = True, on_fatal: Callable[[], None] = lambda: None,
+                 draft_window: int = 0):
         if max_running < 1 or max_waiting < 0:
             raise GenerationArgumentError(
                 f"--max-running must be >= 1 and --max-waiting >= 0, got {max_running}, {max_waiting}")
         self._load, self.warm, self.on_fatal = load, warm, on_fatal
         self.max_running, self.max_waiting, self.block_size = int(max_running), int(max_waiting), block_size
+        self.draft_window = check_draft_window(None, draft_window)  # the default of requests without one
         self.state, self.load_error = LOADING, None
         self.target = self.draft = None
         self.reasoning = None  # the target tokenizer's thinking format (serve/reasoning.py)
@@ -106,10 +108,12 @@ class Engine:
             check_context(self.target, len(req.prompt_ids), req.max_tokens)
             if self.draft is not None:
                 runtime_block_size(self.draft, req.block_size if req.block_size is not None else self.block_size)
+            check_draft_window(self.draft, self._draft_window(req))
         except DFlashError as e:
             err = as_request_error(e)
-            if "block_size" in str(e):
-                err.param = "block_size"
+            for param in ("block_size", "draft_window"):
+                if param in str(e):
+                    err.param = param
             raise err from None
         return req
 
@@ -219,7 +223,11 @@ class Engine:
         Q = 1 if self.draft is None else runtime_block_size(
             self.draft, req.block_size if req.block_size is not None else self.block_size)
         return Decoding(self.target, self.draft, req.prompt_ids, req.max_tokens, Q, req.sampling, (), text=False,
-                        logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None)
+                        logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
+                        draft_window=self._draft_window(req))
+
+    def _draft_window(self, req: GenRequest) -> int:
+        return self.draft_window if req.draft_window is None else req.draft_window
 
     def _loop(self) -> None:
         while True:
