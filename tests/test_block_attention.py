@@ -73,7 +73,7 @@ def row_invariance_failures(contexts=CONTEXTS, rows=(2, 4, 8, 16), windows=(0, 1
 
     def run(driver, q, k, v, q_pos, T, window):
         out = np.empty(q.shape, np.float32)
-        drivers[driver](q, k, v, q_pos, np.arange(T), T, True, window, False, out)
+        drivers[driver](q, k, v, q_pos, np.arange(T), 0, T, True, window, False, out)
         return out
 
     for T in contexts:

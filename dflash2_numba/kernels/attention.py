@@ -111,6 +111,7 @@ def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs
 # boundaries are those of the one-row step at p, and the merge visits the same tiles in the
 # same order. Nothing a row computes reads another row.
 TILE = 256  # keys per tile: 2 * 256 * hd * 4 B of K/V (128 KiB at hd 64) stays in L2
+CHUNK = 16  # keys per inner pass: 16 K (or V) rows stay in L1 while every row and head reads them
 
 
 @njit(inline="always")
@@ -165,38 +166,50 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
     t0 = b * TILE
     n = min(T, t0 + TILE) - t0  # keys in this tile
     scale = np.float32(1.0) / np.sqrt(np.float32(hd))
-    vis = np.empty(n, dtype=np.bool_)  # [n] may query i see key t0 + t
-    s = np.empty(n, dtype=np.float32)  # [n] scores of one head, then its weights
-    acc = np.empty(hd, dtype=np.float32)  # [hd]
+    vis = np.empty((nq, n), dtype=np.bool_)  # [nq, n] may query i see key t0 + t
+    lo = np.full(nq, n, dtype=np.int64)  # [nq] row i's visible keys of the tile lie in [lo, hi)
+    hi = np.zeros(nq, dtype=np.int64)  # [nq] (hi = 0: none)
     for i in range(nq):
-        lo, hi = n, 0  # the row's visible keys of the tile lie in [lo, hi)
         for t in range(n):
-            vis[t] = t0 + t >= first and _visible(q_pos[i], k_pos[t0 + t], causal, window)
-            if vis[t]:
-                lo = min(lo, t)
-                hi = t + 1
-        for h in range(kvh * g, (kvh + 1) * g):
-            if hi == 0:
-                pm[b, i, h] = np.float32(-np.inf)
-                pl[b, i, h] = np.float32(0.0)
+            vis[i, t] = t0 + t >= first and _visible(q_pos[i], k_pos[t0 + t], causal, window)
+            if vis[i, t]:
+                lo[i] = min(lo[i], t)
+                hi[i] = t + 1
+    s = np.empty((nq, g, n), dtype=np.float32)  # [nq, g, n] scores, then weights
+    # 1. scores, K chunk by chunk (a chunk stays in L1 while every row and head reads it)
+    for c0 in range(0, n, CHUNK):
+        for i in range(nq):
+            a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
+            for hh in range(g):
+                _scores(q, i, kvh * g + hh, k, kvh, t0, scale, s[i, hh], a0, a1)
+    # 2. per (row, head): max and exp(s - max)
+    for i in range(nq):
+        for hh in range(g):
+            h = kvh * g + hh
+            pm[b, i, h] = np.float32(-np.inf)
+            pl[b, i, h] = np.float32(0.0)
+            pacc[b, i, h, :] = np.float32(0.0)
+            if hi[i] == 0:
                 continue
-            _scores(q, i, h, k, kvh, t0, scale, s, lo, hi)
             mx = np.float32(-np.inf)
-            for t in range(lo, hi):
-                if vis[t] and s[t] > mx:
-                    mx = s[t]
-            _exp_shifted(s[lo:hi], hi - lo, mx)
-            total = np.float32(0.0)
-            acc[:] = np.float32(0.0)
-            for t in range(lo, hi):
-                if vis[t]:  # skipped, not weighted by 0: an inf/NaN in an unseen row never leaks
-                    total += s[t]
-                    w = round_bf16(s[t]) if bf16_probs else s[t]
-                    for j in range(hd):
-                        acc[j] += w * v[kvh, t0 + t, j]
+            for t in range(lo[i], hi[i]):
+                if vis[i, t] and s[i, hh, t] > mx:
+                    mx = s[i, hh, t]
+            _exp_shifted(s[i, hh, lo[i]:hi[i]], hi[i] - lo[i], mx)
             pm[b, i, h] = mx
-            pl[b, i, h] = total
-            pacc[b, i, h, :] = acc
+    # 3. weights times V, chunk by chunk; each (row, head) sums its keys in key order
+    for c0 in range(0, n, CHUNK):
+        for i in range(nq):
+            for hh in range(g):
+                h = kvh * g + hh
+                for t in range(max(c0, lo[i]), min(c0 + CHUNK, hi[i])):
+                    if vis[i, t]:  # skipped, not weighted by 0: an inf/NaN in an unseen row never leaks
+                        w = s[i, hh, t]
+                        pl[b, i, h] += w
+                        if bf16_probs:
+                            w = round_bf16(w)
+                        for j in range(hd):
+                            pacc[b, i, h, j] += w * v[kvh, t0 + t, j]
 
 
 @njit(inline="always")
