@@ -234,13 +234,13 @@ def test_attention_deeper_reduction_tree_and_strided_device_kv():
 
 def test_attention_verify_rows_equal_one_row_steps_bitwise():
     """A Q-row causal verify gives, bit for bit, Q one-row steps (keys 0..p each), with 8 threads
-    per block striding over 21 keys (several keys per thread, a partial last stride), windowed
+    per block striding over 61 keys (several keys per thread, a partial last stride), windowed
     too; and `first` (the draft window) masks key rows before it as the CPU kernel does."""
     rng = np.random.default_rng(9)
-    T, Q = 21, 4
+    T, Q = 61, 5
     q, k, v = _qkv(rng, Q, 4, 2, 8, T)
     q_pos = np.arange(T - Q, T)
-    for window in (0, 6):
+    for window in (0, 20):
         block = attention_cuda(q, k, v, q_pos, np.arange(T), True, window, threads=8)
         for r, p in enumerate(q_pos):
             one = attention_cuda(q[r:r + 1], k[:, :p + 1], v[:, :p + 1], q_pos[r:r + 1], np.arange(p + 1), True,
