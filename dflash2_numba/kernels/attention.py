@@ -264,10 +264,8 @@ def _partials(nb, q):
 # vectorise the reductions) as their own flags, so both drivers run the same machine code for a
 # (tile, row, head): the same bits (tests/test_block_attention.py checks serial == parallel bitwise).
 # Keys are rows first..T-1 (first > 0: the draft window); tiles before first // TILE are skipped.
-@njit(inline="always")
-def _attention_items(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, out):
-    """The two passes over work items; prange runs them in parallel in `_attention_par` and as
-    a plain range in `_attention_ser`."""
+@njit(parallel=True, fastmath={"reassoc"}, cache=True, nogil=True)
+def _attention_par(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, out):
     nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
     pm, pl, pacc = _partials(nb, q)
     for item in prange((nb - b0) * nkv):
@@ -276,14 +274,14 @@ def _attention_items(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs
         _merge_tiles(pm, pl, pacc, b0, out, item)
 
 
-@njit(parallel=True, fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_par(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, out):
-    _attention_items(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, out)
-
-
 @njit(fastmath={"reassoc"}, cache=True, nogil=True)
 def _attention_ser(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, out):
-    _attention_items(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, out)
+    nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
+    pm, pl, pacc = _partials(nb, q)
+    for item in range((nb - b0) * nkv):
+        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item + b0 * nkv)
+    for item in range(q.shape[0] * q.shape[1]):
+        _merge_tiles(pm, pl, pacc, b0, out, item)
 
 
 def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None, first=0):
