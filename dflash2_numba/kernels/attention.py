@@ -264,6 +264,8 @@ def _partials(nb, q):
 # vectorise the reductions) as their own flags, so both drivers run the same machine code for a
 # (tile, row, head): the same bits (tests/test_block_attention.py checks serial == parallel bitwise).
 # Keys are rows first..T-1 (first > 0: the draft window); tiles before first // TILE are skipped.
+# (Twins, not one inlined body: a prange inside an inline="always" helper is NOT turned into a
+# parallel loop; numba's parallel diagnostics then list no loop.)
 @njit(parallel=True, fastmath={"reassoc"}, cache=True, nogil=True)
 def _attention_par(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, out):
     nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
