@@ -3,7 +3,8 @@ Qwen3 target, Q in {2, 4, 8, 16}, against autoregressive decoding, measured in o
 
     python bench/bench_oracle.py [--new-tokens 64] [--context 128] [--repeat 5] [--device cpu]
                                  [--target DIR] [--threads N] [--quantize bf16|q8_0|q4_0]
-                                 [--verify-only] [--out bench/results/verify_cost.json]
+                                 [--verify-only] [--contexts 100,2048,8192,32768]
+                                 [--out bench/results/verify_cost.json]
 
 --quantize loads the target in that weight format (quant/); the instruction-set path the kernels
 compiled for (kernels/isa.py; DFLASH2_ISA=avx2 / generic forces a lower one) is printed and,
@@ -15,7 +16,10 @@ instead of the random ~100M one: the ceiling any draft can reach on that target 
 Two tables:
 1. verify cost: one target forward of Q rows (then crop) at a context of --context tokens,
    relative to a 1-row forward (best of --repeat). This is the ceiling on the speedup:
-   with every draft accepted, a step emits Q tokens for cost(Q).
+   with every draft accepted, a step emits Q tokens for cost(Q). --contexts measures it at
+   several contexts in one run: the cache is filled once, growing from context to context, and
+   at each one the row counts are interleaved (1, 2, 4, 8, 16, 1, 2, ...) so that load on a
+   shared machine hits them alike; the load average is recorded per context.
 2. decode: autoregressive tokens/s vs speculative tokens/s with the oracle. The oracle runs the
    target itself to draft (Q-1 single-row forwards per step), so its time is EXCLUDED: the
    speculative rate is (new_tokens - 1) / (decode_s - draft_s), i.e. verify forwards + the
@@ -72,6 +76,31 @@ def n_params(target) -> int:
     return c.num_hidden_layers * per_layer + (1 if c.tie_word_embeddings else 2) * c.vocab_size * c.hidden_size
 
 
+def verify_costs(target, prompt, contexts, repeat) -> dict:
+    """{context: {rows: best seconds}} for rows in (1,) + QS, interleaved per round, the cache
+    grown from one context to the next (prefill chunks of 512)."""
+    import os
+
+    cache = target.new_cache(max(contexts) + max(QS) + 1)
+    done, out = 0, {}
+    for C in sorted(contexts):
+        while done < C:
+            n = min(512, C - done)
+            target.forward(np.asarray(prompt[done:done + n], np.int64), cache, last_only=True)
+            done += n
+        block = np.asarray(prompt[:max(QS)], np.int64)
+        best = {r: float("inf") for r in (1,) + QS}
+        load = os.getloadavg()[0]
+        for _ in range(repeat + 1):  # +1: the first call of a shape may compile
+            for r in best:
+                t0 = time.perf_counter()
+                target.forward(block[:r], cache)
+                best[r] = min(best[r], time.perf_counter() - t0)
+                cache.commit(C)
+        out[C] = dict(best, load=(load, os.getloadavg()[0]))
+    return out
+
+
 def forward_time(target, context_ids, rows, repeat) -> float:
     """Best time of one `rows`-row forward after a prefill of context_ids (cache cropped back)."""
     cache = target.new_cache(len(context_ids) + max(QS) + 1)
@@ -117,6 +146,8 @@ def main(argv=None):
     ap.add_argument("--quantize", default="bf16", choices=["bf16", "q8_0", "q4_0"])
     ap.add_argument("--verify-only", action="store_true", help="only the verify-cost table")
     ap.add_argument("--out", type=Path, default=None, help="append the verify-cost row to this JSON list")
+    ap.add_argument("--contexts", default=None, help="comma-separated contexts: the verify-cost table at each "
+                    "(one growing cache, rows interleaved), then exit")
     args = ap.parse_args(argv)
     if args.threads is not None:
         from dflash2_numba.kernels.backend import set_threads
@@ -145,6 +176,22 @@ def main(argv=None):
     generate(target, None, prompt_ids=prompt[:8], max_new_tokens=3)
     for Q in QS:
         generate(target, OracleDrafter(target, block_size=Q), prompt_ids=prompt[:8], max_new_tokens=Q + 2, block_size=Q)
+
+    if args.contexts:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        prompt = np.random.default_rng(0).integers(0, target.valid_vocab, max(contexts)).tolist()
+        print(f"\nverify cost x one row (best of {args.repeat}, rows interleaved)")
+        print(f"  {'context':>8}  {'1-row ms':>9}  " + "  ".join(f"{q:>6}" for q in QS) + "  load")
+        for C, best in verify_costs(target, prompt, contexts, args.repeat).items():
+            cost = {q: best[q] / best[1] for q in QS}
+            print(f"  {C:>8}  {best[1] * 1e3:9.2f}  " + "  ".join(f"{cost[q]:6.2f}" for q in QS)
+                  + f"  {best['load'][0]:.1f}-{best['load'][1]:.1f}", flush=True)
+            if args.out is not None:
+                record(args.out, {"quantize": args.quantize, "isa": isa.describe(), "cpu": cpu_model(),
+                                  "threads": numba.get_num_threads(), "context": C, "one_row_ms": best[1] * 1e3,
+                                  "cost_x_one_row": {str(q): c for q, c in cost.items()},
+                                  "loadavg_1min": best["load"], "rows_interleaved": True})
+        return
 
     # ---- 1. verify cost of a Q-row block vs a 1-row step
     t1 = forward_time(target, prompt, 1, args.repeat)

@@ -245,6 +245,9 @@ class _Reply:
 @click.option("--stop-token", "stop_tokens", type=int, multiple=True,
               help="Extra stop id (repeatable); added to the model's eos ids.")
 @click.option("--baseline", is_flag=True, help="Also run target-only on the same prompt and report the speedup.")
+@click.option("--draft-window", type=int, default=0, show_default=True, metavar="N",
+              help="The draft attends to the last N context positions only (0 = all; the draft's own sliding "
+                   "layers keep their windows). Output is the target's either way (docs/long_context.md).")
 @click.option("--json", "json_dest", default=None, metavar="PATH|-",
               help="Write the result object to PATH, or to stdout with '-' (then text is not streamed).")
 @click.option("--reasoning", type=click.Choice(["stderr", "hide", "raw"]), default="stderr", show_default=True,
@@ -252,8 +255,8 @@ class _Reply:
                    "Qwen3's <think>); stdout gets the answer. raw: the generated text as is, markers included.")
 @_quantize_option
 def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
-             reasoning_effort, block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
-             json_dest, reasoning, quantize):
+              reasoning_effort, block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
+              draft_window, json_dest, reasoning, quantize):
     """Generate text; stream it to stdout, statistics to stderr."""
     from .decode.loop import generate as run_generate, resolve_prompt_ids, stream_generate
     from .decode.stats import peak_rss_mb
@@ -266,7 +269,8 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
         target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)
         ids = resolve_prompt_ids(target, prompt, ids, chat, **_template_kwargs(target, chat, think, reasoning_effort))
         kwargs = dict(max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
-                      top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids)
+                      top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids,
+                      draft_window=draft_window)
 
         # compile first (cold cache: one notice), so that no timing below pays the JIT
         compile_s = warm_up(target, draft, baseline=baseline, **kwargs)
@@ -285,7 +289,7 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
             emit("")  # the text's last line before the stats block on stderr
 
         if baseline:
-            base = run_generate(target, None, **dict(kwargs, block_size=None))
+            base = run_generate(target, None, **dict(kwargs, block_size=None, draft_window=0))
             stats.set_baseline(base.stats)
             if temperature == 0.0 and base.output_ids != tokens:
                 i = next((j for j, (a, b) in enumerate(zip(base.output_ids, tokens)) if a != b),

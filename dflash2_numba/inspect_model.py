@@ -99,6 +99,7 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
             extra["resident_bytes"] = {"stored": rest + sum(g["resident_bytes"] for g in stored.values())}
         else:
             extra["resident_bytes"] = resident_bytes(tensors, ignored, tied)
+        extra["kv_cache"] = kv_cache_bytes(cfg)
     return {
         **extra,  # family facts (e.g. layer schedule, recurrent-state bytes per request)
         "path": str(path),
@@ -115,6 +116,16 @@ def inspect_model(path: str | Path, hash_files: bool = True) -> dict:
         "ignored_tensors": ignored,  # name -> why it is not loaded
         "sha256": files,
     }
+
+
+def kv_cache_bytes(cfg) -> dict:
+    """The target's KV cache (f32 K and V of every attention layer, models/base.KVCache): bytes
+    per cached position and at max_position_embeddings."""
+    layers = getattr(cfg, "attention_layers", None)
+    n = len(layers) if layers is not None else cfg.num_hidden_layers
+    per = 2 * n * cfg.num_key_value_heads * cfg.head_dim * 4
+    limit = getattr(cfg, "max_position_embeddings", None)
+    return {"bytes_per_position": per, "max_positions": limit, "bytes_at_max": per * limit if limit else None}
 
 
 def stored_summary(ckpt) -> dict:
@@ -143,6 +154,10 @@ def format_inspect(report: dict) -> str:
                      f"{human_bytes(g['resident_bytes'])} resident")
     if report.get("resident_bytes"):
         lines.append("  weights resident: " + ", ".join(f"{fmt} {human_bytes(b)}" for fmt, b in report["resident_bytes"].items()))
+    kv = report.get("kv_cache")
+    if kv:
+        at_max = f", {human_bytes(kv['bytes_at_max'])} at {kv['max_positions']:,} positions" if kv["bytes_at_max"] else ""
+        lines.append(f"  kv cache:   {human_bytes(kv['bytes_per_position'])} per position (f32 K and V){at_max}")
     ignored = report.get("ignored_tensors") or {}
     if ignored:
         reasons = {}

@@ -128,7 +128,8 @@ class DraftReference:
     def finish(self, i, conv, y, delta1, Q):
         return conv_reference(y, delta1, self.W[f"layers.{i}.{conv}.base_kernel"][1], self.S, Q)
 
-    def forward(self, taps, anchor, Q):
+    def forward(self, taps, anchor, Q, draft_window=0):
+        """draft_window N > 0: context keys at positions < p - N are masked (the draft window)."""
         W, H, nh, nkv, hd = self.W, self.H, self.nh, self.nkv, self.hd
         p = taps.shape[0]
         ctx = rms(np.asarray(taps, np.float64) @ W["fc.weight"].T, W["hidden_norm.weight"], self.eps)  # [p, H]
@@ -145,6 +146,8 @@ class DraftReference:
             v = self.proj(kv_in, i, "v").reshape(p + Q, nkv, hd)
             q, k = rope(q, q_pos, self.theta, self.yarn), rope(k, k_pos, self.theta, self.yarn)
             vis = self.visible(q_pos, k_pos, i)  # [Q, p+Q]
+            if draft_window:
+                vis &= (k_pos >= p - draft_window)[None, :]
             o = np.zeros((Q, nh, hd))
             for head in range(nh):
                 kvh = head // (nh // nkv)

@@ -17,13 +17,6 @@ def driver(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["rows", "transposed"], autouse=True)
-def loop_order(request, monkeypatch):
-    """...and through both loop orders (the row-count threshold is forced)."""
-    monkeypatch.setattr(attention_module, "TRANSPOSE_MIN_ROWS", 1 if request.param == "transposed" else 10**9)
-    return request.param
-
-
 def brute(q, k, v, q_pos, k_pos, causal, window):
     """float64 loops, one (query, head) at a time."""
     nq, nh, hd = q.shape
@@ -50,7 +43,7 @@ def case(rng, nq, nh, nkv, hd, T):
 
 
 TARGET = [(1, 4, 4, 16, 1), (1, 4, 2, 16, 37), (4, 8, 2, 16, 24), (16, 8, 1, 32, 40), (20, 4, 2, 8, 20),
-          (8, 4, 2, 6, 20), (3, 4, 1, 5, 11)]  # hd % 4 = 2 and 1: the transposed loop's tail
+          (8, 4, 2, 6, 20), (3, 4, 1, 5, 11)]  # odd head dims
 
 
 @pytest.mark.parametrize("nq,nh,nkv,hd,T", TARGET)

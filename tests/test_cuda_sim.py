@@ -232,6 +232,26 @@ def test_attention_deeper_reduction_tree_and_strided_device_kv():
     np.testing.assert_allclose(got, attention(q, k, v, q_pos, k_pos, True, 0), rtol=1e-5, atol=1e-6)
 
 
+def test_attention_verify_rows_equal_one_row_steps_bitwise():
+    """A Q-row causal verify gives, bit for bit, Q one-row steps (keys 0..p each), with 8 threads
+    per block striding over 61 keys (several keys per thread, a partial last stride), windowed
+    too; and `first` (the draft window) masks key rows before it as the CPU kernel does."""
+    rng = np.random.default_rng(9)
+    T, Q = 61, 5
+    q, k, v = _qkv(rng, Q, 4, 2, 8, T)
+    q_pos = np.arange(T - Q, T)
+    for window in (0, 20):
+        block = attention_cuda(q, k, v, q_pos, np.arange(T), True, window, threads=8)
+        for r, p in enumerate(q_pos):
+            one = attention_cuda(q[r:r + 1], k[:, :p + 1], v[:, :p + 1], q_pos[r:r + 1], np.arange(p + 1), True,
+                                 window, threads=8)
+            assert np.array_equal(one[0], block[r]), (window, r)
+    got = attention_cuda(q, k, v, q_pos, np.arange(T), False, 0, threads=8, first=9)
+    np.testing.assert_allclose(got, attention_reference(q, k, v, q_pos, np.arange(T), False, 0, first=9),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, attention(q, k, v, q_pos, np.arange(T), False, 0, first=9), rtol=1e-5, atol=1e-6)
+
+
 def test_attention_query_that_sees_nothing_is_zero():
     rng = np.random.default_rng(6)
     q, k, v = _qkv(rng, 2, 2, 1, 8, 4)

@@ -38,7 +38,7 @@ from .drafter import valid_vocab
 from .sampling import SamplingParams, mask_padded
 from .stats import DecodeStats
 from .width import AUTO, AdaptiveWidth, check_block_size, costs_for, parse_block_size
-from .step import Decoding, StepResult, check_finite, pick_token, run_draft, tokenizer_of  # noqa: F401 (public names)
+from .step import Decoding, StepResult, check_draft_window, check_finite, pick_token, run_draft, tokenizer_of  # noqa: F401 (public names)
 
 
 @dataclass
@@ -135,12 +135,15 @@ def stream_generate(target, draft, prompt: str | None = None, *, max_new_tokens:
                     block_size: int | str | None = AUTO, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int | None = None,
                     stop_token_ids: Sequence[int] = (), chat: bool = False,
-                    prompt_ids: Sequence[int] | None = None, width=None) -> Iterator[StepResult]:
+                    prompt_ids: Sequence[int] | None = None, width=None,
+                    draft_window: int = 0) -> Iterator[StepResult]:
     """Yield one StepResult per committed chunk: first the prefill token, then one per verify
     step. `block_size`: "auto" (default: the draft runs its B rows and each step verifies the
     number of them that maximises expected tokens per second, decode/width.py), or a fixed
     runtime Q in 2..draft.block_size (None: draft.block_size); ignored when draft is None.
     `width`: a width rule object (decode/width.py's interface) in place of "auto"'s.
+    `draft_window` N > 0: the draft attends to the last N context positions only (its own
+    sliding layers keep their windows too); 0 = the whole context.
     Stop ids = tokenizer stop set ∪ stop_token_ids."""
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
@@ -152,7 +155,8 @@ def stream_generate(target, draft, prompt: str | None = None, *, max_new_tokens:
     if max_new_tokens >= 2:  # a draft step is scheduled: refuse now if it is certain to refuse
         _refuse_certain(draft)
     rule = width_rule(target, draft, block_size, sampling, width) if max_new_tokens >= 2 else None
-    return _run(target, draft, ids, int(max_new_tokens), Q, sampling, stop_token_ids, rule)
+    return _run(target, draft, ids, int(max_new_tokens), Q, sampling, stop_token_ids, rule,
+                check_draft_window(draft, draft_window))
 
 
 def _refuse_certain(draft) -> None:
@@ -164,9 +168,10 @@ def _refuse_certain(draft) -> None:
 
 
 def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: SamplingParams,
-         stop_token_ids, width=None) -> Iterator[StepResult]:
+         stop_token_ids, width=None, draft_window: int = 0) -> Iterator[StepResult]:
     """One request through the per-step logic of decode/step.py, with its own forwards."""
-    dec = Decoding(target, draft, prompt_ids, max_new, Q, sampling, stop_token_ids, width=width)
+    dec = Decoding(target, draft, prompt_ids, max_new, Q, sampling, stop_token_ids, width=width,
+                   draft_window=draft_window)
     step = None
     while step is None:
         step = dec.prefill_step()

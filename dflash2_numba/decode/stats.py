@@ -35,6 +35,8 @@ class DecodeStats:
     block_rows: list[int] = field(default_factory=list)  # rows verified per step (Bv): the chosen widths
     width: str = "fixed"  # the verify width rule: "fixed" (min(Q, budget) rows) | "auto" (decode/width.py)
     drafted_steps: int = 0  # steps that ran the draft (auto may choose plain target steps)
+    draft_window: int = 0  # the draft attends to the last N context positions (0 = all of them)
+    kv_cache_bytes: int = 0  # target KV cache bytes held at the run's context (prompt + new tokens)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -125,6 +127,9 @@ class DecodeStats:
                      + ("s" if self.threads != 1 else ""))
         if self.compile_s is not None:
             lines.append(f"compile  {self.compile_s:.1f}s first-run kernel compilation (not in the times above)")
+        if self.kv_cache_bytes:
+            lines.append(f"kv cache {self.kv_cache_bytes / 2**20:.1f} MiB at {self.prompt_tokens + self.new_tokens} "
+                         f"positions" + (f"; draft window {self.draft_window}" if self.draft_window else ""))
         if self.peak_rss_mb is not None:
             lines.append(f"memory   {self.peak_rss_mb:.0f} MB peak resident (weights, caches, kernels)")
         if self.baseline_tokens_per_s is not None:

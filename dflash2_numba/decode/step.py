@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from ..errors import NonFiniteLogitsError
+from ..errors import GenerationArgumentError, NonFiniteLogitsError
 from .drafter import valid_vocab
 from .logprobs import TokenLogprob, token_logprobs
 from .sampling import SamplingParams, greedy_token, mask_padded, sample_token, target_probs, verify_block
@@ -104,6 +104,17 @@ def tokenizer_of(target):
     return tok
 
 
+def check_draft_window(draft, n) -> int:
+    """`draft_window` N >= 0 (0 = the whole context) -> int; refused for a drafter that cannot
+    limit its context attention (the oracle, a model-free drafter)."""
+    if isinstance(n, bool) or int(n) != n or n < 0:
+        raise GenerationArgumentError(f"draft_window must be an integer >= 0 (0 = the whole context), got {n!r}")
+    if n and draft is not None and not getattr(draft, "supports_draft_window", False):
+        raise GenerationArgumentError(f"draft_window {n}: the {type(draft).__name__} drafter has no context "
+                                      "attention to limit")
+    return int(n)
+
+
 class Decoding:
     """The decode state of one request. `text=False` skips detokenising (the server decodes
     token by token itself, to find where a stop string ends).
@@ -115,7 +126,7 @@ class Decoding:
 
     def __init__(self, target, draft, prompt_ids: list[int], max_new: int, Q: int,
                  sampling: SamplingParams, stop_token_ids, text: bool = True,
-                 logprobs: int | None = None, prompt_logprobs: bool = False, width=None):
+                 logprobs: int | None = None, prompt_logprobs: bool = False, width=None, draft_window: int = 0):
         tok = tokenizer_of(target)
         if tok is not None:
             self.stops = set(tok.stop_ids(stop_token_ids))
@@ -133,7 +144,8 @@ class Decoding:
         # the verify width rule (decode/width.py; None: every step verifies min(Q, budget) rows)
         self.width = width if draft is not None else None
         self.stats = DecodeStats(block_size=self.Q, prompt_tokens=self.n, threads=numba.get_num_threads(),
-                                 width="fixed" if self.width is None else getattr(self.width, "name", "custom"))
+                                 width="fixed" if self.width is None else getattr(self.width, "name", "custom"),
+                                 draft_window=check_draft_window(draft, draft_window))
         self.ids = list(prompt_ids)  # prompt + committed tokens
         self.finish_reason: str | None = None
         self.cache = None  # target cache, made at the first prefill chunk
@@ -195,6 +207,8 @@ class Decoding:
         self._score(step, logits[-1:])
         if not step.finish_reason and self.draft is not None:
             self.dstate = self.draft.new_state(self.max_len)
+            if self.stats.draft_window:
+                self.dstate.draft_window = self.stats.draft_window  # read by the draft's block_forward
         return step
 
     @property
@@ -290,6 +304,9 @@ class Decoding:
         if reason is None and len(self.ids) - self.n == self.max_new:
             reason = "length"
         self.stats.new_tokens = len(self.ids) - self.n
+        kv = getattr(self.cache, "kv", self.cache)  # a hybrid target's attention layers hold a KVCache
+        if hasattr(kv, "bytes_at"):
+            self.stats.kv_cache_bytes = kv.bytes_at(len(self.ids))
         text = ""
         if self.decoder is not None:
             text = self.decoder.feed(new) + (self.decoder.flush() if reason else "")

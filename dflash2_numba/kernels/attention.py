@@ -2,7 +2,7 @@
 
     attention(q [nq, nh, hd], k [nkv, >=T, hd], v [nkv, >=T, hd],
               q_pos [nq] int64, k_pos [T] int64, causal: bool, window: int,
-              bf16_probs: bool = False, sinks=None) -> [nq, nh, hd] f32
+              bf16_probs: bool = False, first: int = 0, sinks=None) -> [nq, nh, hd] f32
 
 The keys are rows 0..T-1 of k / v, T = len(k_pos); later rows are ignored. So a caller hands
 over a whole cache buffer `cache.k[layer]` ([nkv, max_len, hd], C-contiguous: the layout the
@@ -12,13 +12,16 @@ Visibility of key s (position k_pos[s]) from query i (position q_pos[i]):
     causal:     k_pos[s] <= q_pos[i]
     window > 0: |q_pos[i] - k_pos[s]| <= window - 1      (symmetric sliding window)
     both flags combine with AND; causal=False, window=0 is full attention.
+    first (default 0): key ROWS before it are not visible either (the draft window: the draft
+    attends to the last N context positions, first = p - N).
 GQA: query head h reads KV head h // (nh // nkv). Scale hd^-0.5, softmax in f32 with the max
 subtracted. A query that sees no key gets a zero output row (cannot happen for the target's
 causal use: every query sees itself).
 
 sinks (gpt-oss, families/gpt_oss.py): one learned logit per query head [nh] f32 that joins the
 softmax as an extra column and is dropped after it: it raises the max and the denominator
-(exp(sink - max)) and carries no value. None / an empty array: no sink.
+(exp(sink - max)) and carries no value. None / an empty array: no sink. The kernel adds it after
+the tiles are merged (one more rescale of the running max and sum).
 
 bf16_probs (run mode "bf16"): the unnormalised probabilities exp(s - max) are rounded to bf16
 before they weight V, while their sum stays f32 — what torch's CPU flash SDPA (and GPU
@@ -66,7 +69,14 @@ def visibility(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, window: int) 
     return vis
 
 
-def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, sinks=None):
+def _check_first(first, T) -> int:
+    first = int(first)
+    if not 0 <= first <= T:
+        raise ValueError(f"attention: first key row {first} outside 0..{T}")
+    return first
+
+
+def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, first=0, sinks=None):
     """Plain numpy (picoGPT style). Shapes as in the module docstring."""
     q, k, v = (np.asarray(a, dtype=np.float32) for a in (q, k, v))
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
@@ -78,6 +88,7 @@ def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs
     vh = np.repeat(v, g, axis=0)  # [nh, T, hd]
     scores = np.einsum("qhd,htd->hqt", q, kh) * np.float32(hd**-0.5)  # [nh, nq, T]
     vis = visibility(q_pos, k_pos, causal, window)  # [nq, T]
+    vis[:, : _check_first(first, len(k_pos))] = False  # key rows before `first` (the draft window)
     scores = np.where(vis[None], scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True)  # [nh, nq, 1]
     if sinks is not None and len(sinks):
@@ -94,26 +105,22 @@ def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs
 
 
 # ------------------------------------------------------------------ numba kernels
-# Two loop orders over the same math, picked per call by the number of query rows that share a
-# KV head (R = nq * nh / nkv):
-#   rows (R < TRANSPOSE_MIN_ROWS, e.g. one decode token): one item per (query, KV head); scores
-#     are dot products over hd on C-contiguous k rows, V is accumulated row by row;
-#   transposed (verify / draft blocks): one item per KV head; its K and V are copied once to
-#     [hd, T] scratch, so scores (q_j * K^T[j, :]) and outputs (p . V^T[j, :]) run over T in
-#     long vector loops without per-key horizontal sums. The copy costs 2*T*hd moves per KV
-#     head, which only R >= TRANSPOSE_MIN_ROWS query rows pay back (measured ~2x at R = 16).
-# Both take exp from `_exp_shifted`, a branch-free expf that LLVM vectorises.
-TRANSPOSE_MIN_ROWS = 8
-
-
-@njit(inline="always")
-def use_transposed(nq, nh, nkv, causal):
-    """The transposed order for blocks of >= TRANSPOSE_MIN_ROWS rows per KV head, but never for
-    causal attention (the target's verify): its reductions run over a different grouping than a
-    one-row step's, and a Q-row verify must give the bits of Q one-row steps (lossless greedy
-    at every weight format: an int8 activation rounding turns a 1-ulp difference into a logit
-    change)."""
-    return (not causal) and nq * nh // nkv >= TRANSPOSE_MIN_ROWS
+# Block attention that streams K/V once (flash-decoding style). The keys are cut into TILEs of
+# TILE consecutive key ROWS (tile b = rows b*TILE .. b*TILE+TILE-1, fixed whatever T, the number
+# of query rows or threads). One work item = (tile, KV head): it reads that tile of K and V once
+# (from memory into L2) and computes, for EVERY query row and every query head of the KV head's
+# GQA group, the tile's partial softmax: m = max of the visible scores, l = sum exp(s - m),
+# acc = sum exp(s - m) v. Items are independent, so a long context splits over threads (prange
+# over tiles x KV heads) however few the rows. A second pass merges each (row, head)'s partials
+# over tiles 0, 1, 2, ... in that FIXED order (m' = max, rescale both sides by exp(m - m')).
+#
+# Row invariance (a Q-row verify gives the bits of Q one-row steps): a row's partial over a tile
+# loops exactly over its visible keys of that tile [lo, hi) (for a causal query at position p
+# the tile's keys up to p), so its trip counts, hence LLVM's vector groupings, and its tile
+# boundaries are those of the one-row step at p, and the merge visits the same tiles in the
+# same order. Nothing a row computes reads another row.
+TILE = 256  # keys per tile: 2 * 256 * hd * 4 B of K/V (128 KiB at hd 64) stays in L2
+CHUNK = 16  # keys per inner pass: 16 K (or V) rows stay in L1 while every row and head reads them
 
 
 @njit(inline="always")
@@ -143,145 +150,163 @@ def _exp_shifted(s, n, mx):
         s[t] = _exp_f32(s[t] - mx)
 
 
+@njit(nogil=True)  # not fastmath, as _exp_shifted: called from the merge
+def _exp_scalar(x):
+    return _exp_f32(x)
+
+
 @njit(inline="always")
 def _visible(qp, kp, causal, window):
     d = qp - kp  # query position minus key position
     return not ((causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)))
 
 
-@njit(inline="always")
-def _softmax_weights(s, vis, T, bf16_probs, sinks, h):
-    """s [>=T] scaled scores -> unnormalised weights exp(s - max) in place (0 where not
-    visible; bf16-rounded in bf16_probs mode). Returns 1 / sum of the UNROUNDED weights, or 0
-    when no key is visible (the caller writes zeros). sinks [nh] or empty: head h's sink logit
-    joins the max and the sum, never the weights."""
-    mx = np.float32(-np.inf)
-    for t in range(T):
-        if vis[t] and s[t] > mx:
-            mx = s[t]
-    if mx == -np.inf:
-        return np.float32(0.0)
-    has_sink = sinks.shape[0] > 0
-    if has_sink and sinks[h] > mx:
-        mx = sinks[h]
-    _exp_shifted(s, T, mx)
-    total = _exp_f32(sinks[h] - mx) if has_sink else np.float32(0.0)
-    for t in range(T):
-        w = s[t] if vis[t] else np.float32(0.0)
-        total += w
-        s[t] = round_bf16(w) if bf16_probs else w
-    return np.float32(1.0) / total
-
-
 @njit(fastmath={"reassoc"}, nogil=True)  # its own flags: called, not inlined (see the drivers)
-def _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, item):
-    """Query i = item // nkv with its g = nh // nkv heads sharing KV head kvh = item % nkv.
-    q [nq, nh, hd], k/v [nkv, >=T, hd] C-contiguous, out [nq, nh, hd] written."""
+def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item):
+    """Work item `item` = (tile b = item // nkv, KV head kvh = item % nkv): for every query i and
+    head h of kvh's group, the partial softmax over the tile's visible keys (rows first..T-1):
+        pm[b, i, h] = max score (-inf: none visible), pl[b, i, h] = sum of the UNROUNDED weights,
+        pacc[b, i, h] = sum of the weights (bf16-rounded in bf16_probs mode) times V rows.
+    q [nq, nh, hd], k/v [nkv, >=T, hd] C-contiguous; pm, pl [nb, nq, nh], pacc [nb, nq, nh, hd]."""
     nq, nh, hd = q.shape
     nkv = k.shape[0]
     g = nh // nkv
-    i, kvh = item // nkv, item % nkv
+    b, kvh = item // nkv, item % nkv
+    t0 = b * TILE
+    n = min(T, t0 + TILE) - t0  # keys in this tile
     scale = np.float32(1.0) / np.sqrt(np.float32(hd))
-    vis = np.empty(T, dtype=np.bool_)  # [T] may query i see key t
-    s = np.empty(T, dtype=np.float32)  # [T] scores of one head, then its weights
-    acc = np.empty(hd, dtype=np.float32)  # [hd]
-    Te = 0  # keys up to the last visible one: the loops stop there, so a query of a causal block
-    for t in range(T):  # runs exactly the loops (trip counts, hence vector groupings) of the
-        vis[t] = _visible(q_pos[i], k_pos[t], causal, window)  # one-row step at its position:
-        if vis[t]:  # a Q-row verify gives the bits of Q single steps
-            Te = t + 1
-    for h in range(kvh * g, (kvh + 1) * g):
-        for t in range(Te):
-            a = np.float32(0.0)
-            for j in range(hd):
-                a += q[i, h, j] * k[kvh, t, j]
-            s[t] = a * scale
-        inv = _softmax_weights(s, vis, Te, bf16_probs, sinks, h)
-        acc[:] = np.float32(0.0)
-        for t in range(Te):
-            if vis[t]:  # skipped, not weighted by 0: an inf/NaN in an unseen row never leaks
-                w = s[t]
-                for j in range(hd):
-                    acc[j] += w * v[kvh, t, j]
+    vis = np.empty((nq, n), dtype=np.bool_)  # [nq, n] may query i see key t0 + t
+    lo = np.full(nq, n, dtype=np.int64)  # [nq] row i's visible keys of the tile lie in [lo, hi)
+    hi = np.zeros(nq, dtype=np.int64)  # [nq] (hi = 0: none)
+    for i in range(nq):
+        for t in range(n):
+            vis[i, t] = t0 + t >= first and _visible(q_pos[i], k_pos[t0 + t], causal, window)
+            if vis[i, t]:
+                lo[i] = min(lo[i], t)
+                hi[i] = t + 1
+    s = np.empty((nq, g, n), dtype=np.float32)  # [nq, g, n] scores, then weights
+    # 1. scores, K chunk by chunk (a chunk stays in L1 while every row and head reads it)
+    for c0 in range(0, n, CHUNK):
+        for i in range(nq):
+            a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
+            for hh in range(g):
+                _scores(q, i, kvh * g + hh, k, kvh, t0, scale, s[i, hh], a0, a1)
+    # 2. per (row, head): max and exp(s - max)
+    for i in range(nq):
+        for hh in range(g):
+            h = kvh * g + hh
+            pm[b, i, h] = np.float32(-np.inf)
+            pl[b, i, h] = np.float32(0.0)
+            pacc[b, i, h, :] = np.float32(0.0)
+            if hi[i] == 0:
+                continue
+            mx = np.float32(-np.inf)
+            for t in range(lo[i], hi[i]):
+                if vis[i, t] and s[i, hh, t] > mx:
+                    mx = s[i, hh, t]
+            _exp_shifted(s[i, hh, lo[i]:hi[i]], hi[i] - lo[i], mx)
+            pm[b, i, h] = mx
+    # 3. weights times V, chunk by chunk; each (row, head) sums its keys in key order
+    for c0 in range(0, n, CHUNK):
+        for i in range(nq):
+            for hh in range(g):
+                h = kvh * g + hh
+                for t in range(max(c0, lo[i]), min(c0 + CHUNK, hi[i])):
+                    if vis[i, t]:  # skipped, not weighted by 0: an inf/NaN in an unseen row never leaks
+                        w = s[i, hh, t]
+                        pl[b, i, h] += w
+                        if bf16_probs:
+                            w = round_bf16(w)
+                        for j in range(hd):
+                            pacc[b, i, h, j] += w * v[kvh, t0 + t, j]
+
+
+@njit(inline="always")
+def _scores(q, i, h, k, kvh, t0, scale, s, lo, hi):
+    """s[t] = (q[i, h] . k[kvh, t0 + t]) * scale for t in [lo, hi): one dot product per key (a
+    vector loop over hd), so a key's score has the same bits whatever rows share the tile."""
+    hd = q.shape[2]
+    for t in range(lo, hi):
+        a = np.float32(0.0)
         for j in range(hd):
-            out[i, h, j] = acc[j] * inv
+            a += q[i, h, j] * k[kvh, t0 + t, j]
+        s[t] = a * scale
 
 
 @njit(fastmath={"reassoc"}, nogil=True)
-def _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, kvh):
-    """Every query row of KV head kvh (nq queries x its g heads). Shapes as `_attend_rows`."""
-    nq, nh, hd = q.shape
-    g = nh // k.shape[0]
-    scale = np.float32(1.0) / np.sqrt(np.float32(hd))
-    kT = np.empty((hd, T), dtype=np.float32)  # [hd, T] K of this head, transposed
-    vT = np.empty((hd, T), dtype=np.float32)  # [hd, T]
-    for t in range(T):
+def _merge_tiles(pm, pl, pacc, b0, sinks, out, item):
+    """out[i, h] for item = i * nh + h: the partials of tiles b0, b0 + 1, ... merged in that order, then
+    head h's sink logit (sinks [nh], or empty: none) joined to the max and the sum, then normalised;
+    a zero row when no tile saw a key. Shapes as `_tile_partial`."""
+    nb, nq, nh, hd = pacc.shape
+    i, h = item // nh, item % nh
+    m, l = np.float32(-np.inf), np.float32(0.0)
+    acc = np.zeros(hd, dtype=np.float32)  # [hd]
+    for b in range(b0, nb):
+        mb = pm[b, i, h]
+        if mb == -np.inf:
+            continue
+        if m == -np.inf:  # the first tile with a visible key
+            m, l = mb, pl[b, i, h]
+            acc[:] = pacc[b, i, h]
+            continue
+        mn = max(m, mb)
+        a, c = _exp_scalar(m - mn), _exp_scalar(mb - mn)  # rescale the running and the tile's side
+        l = l * a + pl[b, i, h] * c
         for j in range(hd):
-            kT[j, t] = k[kvh, t, j]
-            vT[j, t] = v[kvh, t, j]
-    vis = np.empty(T, dtype=np.bool_)
-    s = np.empty(T, dtype=np.float32)
-    for i in range(nq):
-        for t in range(T):
-            vis[t] = _visible(q_pos[i], k_pos[t], causal, window)
-        for h in range(kvh * g, (kvh + 1) * g):
-            s[:T] = np.float32(0.0)
-            for j in range(0, hd, 4):  # s += q_j * K^T[j, :], vector loops over T, 4 j per pass
-                j1 = min(j + 1, hd - 1)  # hd % 4 tail: clamped rows get a zero coefficient
-                j2 = min(j + 2, hd - 1)
-                j3 = min(j + 3, hd - 1)
-                q0 = q[i, h, j] * scale
-                q1 = q[i, h, j1] * scale if j + 1 < hd else np.float32(0.0)
-                q2 = q[i, h, j2] * scale if j + 2 < hd else np.float32(0.0)
-                q3 = q[i, h, j3] * scale if j + 3 < hd else np.float32(0.0)
-                for t in range(T):
-                    s[t] += q0 * kT[j, t] + q1 * kT[j1, t] + q2 * kT[j2, t] + q3 * kT[j3, t]
-            inv = _softmax_weights(s, vis, T, bf16_probs, sinks, h)
-            # out_j = sum_t w_t V^T[j, t]; an unseen key has weight exactly 0 (a select here
-            # would halve the speed; V rows are cache rows the model wrote, so finite)
-            for j in range(hd):
-                a = np.float32(0.0)
-                for t in range(T):
-                    a += s[t] * vT[j, t]
-                out[i, h, j] = a * inv
+            acc[j] = acc[j] * a + pacc[b, i, h, j] * c
+        m = mn
+    if sinks.shape[0] > 0 and m != -np.inf:  # the sink: one more column, in the denominator only
+        mn = max(m, sinks[h])
+        a = _exp_scalar(m - mn)
+        l = l * a + _exp_scalar(sinks[h] - mn)
+        for j in range(hd):
+            acc[j] = acc[j] * a
+        m = mn
+    inv = np.float32(1.0) / l if m != -np.inf else np.float32(0.0)
+    for j in range(hd):
+        out[i, h, j] = acc[j] * inv
 
 
 @njit(inline="always")
-def _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed, item):
-    """Work item `item` of the chosen loop order (see `_n_items`)."""
-    if transposed:
-        _attend_head_transposed(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, item)
-    else:
-        _attend_rows(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, item)
-
-
-@njit(inline="always")
-def _n_items(q, k, transposed):
-    """KV heads (transposed order) or (query, KV head) pairs (row order)."""
-    return k.shape[0] if transposed else q.shape[0] * k.shape[0]
+def _partials(nb, q):
+    """Scratch of the per-tile partials: pm, pl [nb, nq, nh], pacc [nb, nq, nh, hd]."""
+    nq, nh, hd = q.shape
+    return (np.empty((nb, nq, nh), np.float32), np.empty((nb, nq, nh), np.float32),
+            np.empty((nb, nq, nh, hd), np.float32))
 
 
 # Drivers: parallel over items and a serial twin for small work (fork/join would dominate). The
-# two item functions are CALLED, compiled once with the drivers' fastmath ("reassoc", which lets
-# LLVM vectorise the reductions) as their own flags: inlined at numba-IR level they cost ~1 s more
-# of a cold compile (numba's inliner is slow on loops this size), and the bits are the same
-# (checked against the inlined build on 1600 random shapes, both orders and drivers: docs/cold_start.md).
+# item functions are CALLED, compiled once with the drivers' fastmath ("reassoc", which lets LLVM
+# vectorise the reductions) as their own flags, so both drivers run the same machine code for a
+# (tile, row, head): the same bits (tests/test_block_attention.py checks serial == parallel bitwise).
+# Keys are rows first..T-1 (first > 0: the draft window); tiles before first // TILE are skipped.
+# (Twins, not one inlined body: a prange inside an inline="always" helper is NOT turned into a
+# parallel loop; numba's parallel diagnostics then list no loop.)
 @njit(parallel=True, fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_par(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed):
-    for item in prange(_n_items(q, k, transposed)):
-        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed, item)
+def _attention_par(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, sinks, out):
+    nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
+    pm, pl, pacc = _partials(nb, q)
+    for item in prange((nb - b0) * nkv):
+        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item + b0 * nkv)
+    for item in prange(q.shape[0] * q.shape[1]):
+        _merge_tiles(pm, pl, pacc, b0, sinks, out, item)
 
 
 @njit(fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_ser(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed):
-    for item in range(_n_items(q, k, transposed)):
-        _attend_item(q, k, v, q_pos, k_pos, T, causal, window, bf16_probs, sinks, out, transposed, item)
+def _attention_ser(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, sinks, out):
+    nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
+    pm, pl, pacc = _partials(nb, q)
+    for item in range((nb - b0) * nkv):
+        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item + b0 * nkv)
+    for item in range(q.shape[0] * q.shape[1]):
+        _merge_tiles(pm, pl, pacc, b0, sinks, out, item)
 
 
 NO_SINKS = np.empty(0, np.float32)
 
 
-def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None, sinks=None):
+def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None, first=0, sinks=None):
     """numba kernel; same contract as `attention_reference`."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
@@ -295,10 +320,9 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     if not (k.flags.c_contiguous and v.flags.c_contiguous):  # C layout is what vectorises
         k, v = np.ascontiguousarray(k[:, :T]), np.ascontiguousarray(v[:, :T])
     kernel = _attention_par if use_parallel(q.size * T) else _attention_ser
-    # use_transposed's rule, read here from the module global (tests force either order)
-    transposed = (not causal) and q.shape[0] * q.shape[1] // k.shape[0] >= TRANSPOSE_MIN_ROWS
+    first = _check_first(first, T)
     sinks = NO_SINKS if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
     if sinks.shape[0] not in (0, q.shape[1]):
         raise ValueError(f"attention: sinks {list(sinks.shape)}, expected [{q.shape[1]}] (one per query head)")
-    kernel(q, k, v, q_pos, k_pos, T, bool(causal), int(window), bool(bf16_probs), sinks, out, transposed)
+    kernel(q, k, v, q_pos, k_pos, first, T, bool(causal), int(window), bool(bf16_probs), sinks, out)
     return out

@@ -28,7 +28,7 @@ import numpy as np
 from numba import cuda, float32
 
 from ..numerics import round_bf16
-from .attention import _check
+from .attention import _check, _check_first
 from .cuda_common import REDUCE_THREADS, grid_blocks, is_device_array, to_device
 
 MAX_HEAD_DIM = 256  # q row staged in shared memory: [MAX_HEAD_DIM] f32
@@ -42,7 +42,7 @@ def kernel_for(threads: int = REDUCE_THREADS):
 
 def _make_attention_kernel(NT):
     @cuda.jit
-    def kernel(q, k, v, q_pos, k_pos, causal, window, bf16_probs, scratch, out):
+    def kernel(q, k, v, q_pos, k_pos, first, causal, window, bf16_probs, scratch, out):
         # q [nq, nh, hd], k/v [nkv, T, hd], q_pos [nq], k_pos [T] int64, scratch [nq*nh, T] f32,
         # out [nq, nh, hd] f32. Block-stride loop over (query, head) items.
         nq, nh, hd = q.shape
@@ -67,7 +67,7 @@ def _make_attention_kernel(NT):
             mx = neg_inf
             for t in range(tid, T, NT):
                 d = qp - k_pos[t]
-                if (causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)):
+                if t < first or (causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)):
                     s_row[t] = neg_inf
                     continue
                 acc = np.float32(0.0)
@@ -127,7 +127,7 @@ def _make_attention_kernel(NT):
 
 
 def attention_cuda(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None,
-                   threads: int = REDUCE_THREADS):
+                   threads: int = REDUCE_THREADS, first: int = 0):
     """GPU attention; same contract as kernels/attention.attention (f32 in, f32 out)."""
     q_on_device = is_device_array(q)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
@@ -149,7 +149,7 @@ def attention_cuda(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=Fals
     dout = out if out is not None else cuda.device_array((nq, nh, hd), dtype=np.float32)
     if nq * nh:
         kernel_for(threads)[grid_blocks(nq * nh), threads](
-            dq, dk, dv, to_device(q_pos), to_device(k_pos), bool(causal), int(window),
+            dq, dk, dv, to_device(q_pos), to_device(k_pos), _check_first(first, T), bool(causal), int(window),
             bool(bf16_probs), scratch, dout)
     if q_on_device or out is not None:
         return dout

@@ -120,8 +120,8 @@ class CudaOps:
         y = linear_cuda(x, self.device_weight(w))
         return _into(out, y)
 
-    def attention(self, q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None):
-        y = attention_cuda(q, k, v, q_pos, k_pos, causal, window, bf16_probs)
+    def attention(self, q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None, first=0):
+        y = attention_cuda(q, k, v, q_pos, k_pos, causal, window, bf16_probs, first=first)
         return _into(out, y)
 
     def grouped_conv(self, x, delta, base, group_size, block_len):

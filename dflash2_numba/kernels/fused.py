@@ -44,7 +44,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
-from .attention import NO_SINKS, _attention_par, _attention_ser, use_transposed
+from .attention import NO_SINKS, _attention_par, _attention_ser
 from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
 from .linear import GEMV_MAX_ROWS
 from ..quant.weights import gemv_weights, in_features, panel_columns, weight_size
@@ -186,16 +186,15 @@ def _conv_prepare(x, proj, base, taps, group_size, block_len, and_arm, par_min_m
 
 
 @njit(inline="always")
-def _attention(q, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, parallel, bf16):
-    """kernels/attention.attention on q [n, nh, hd] over rows 0..T-1 of kbuf / vbuf
+def _attention(q, kbuf, vbuf, q_pos, k_pos, first, causal, window, par_min_macs, parallel, bf16):
+    """kernels/attention.attention on q [n, nh, hd] over rows first..T-1 of kbuf / vbuf
     (parallel: compile-time constant, as in `_linear`)."""
     out = np.empty(q.shape, np.float32)
     T = k_pos.shape[0]
-    transposed = use_transposed(q.shape[0], q.shape[1], kbuf.shape[0], causal)
     if parallel and q.size * T >= par_min_macs:
-        _attention_par(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), NO_SINKS, out, transposed)
+        _attention_par(q, kbuf, vbuf, q_pos, k_pos, first, T, causal, window, _runtime_bool(bf16), NO_SINKS, out)
     else:
-        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, T, causal, window, _runtime_bool(bf16), NO_SINKS, out, transposed)
+        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, first, T, causal, window, _runtime_bool(bf16), NO_SINKS, out)
     return out
 
 
@@ -213,13 +212,14 @@ def _write_kv(kbuf, vbuf, start, k, v):
 # ------------------------------------------------------------------ the layer
 @njit(inline="always")
 def attention_half(h, wqkv, wo, ln1, q_norm, k_norm, att_proj, att_base, kbuf, vbuf, start, q_pos, k_pos, cos, sin,
-                   nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, causal, window, eps,
-                   par_min_macs, parallel, bf16):
+                   nh, nkv, hd, conv_shape, k_at, v_at, causal, window, eps, par_min_macs, parallel, bf16, first):
     """h = h + conv_finish(attention(rope(qk_norm(q, k)), K, V) Wo^T) with q, k, v from
     conv_prepare(rms(h, ln1)) (no conv when att_proj is empty), in place on h [n, H]; writes
     the block's K/V into kbuf / vbuf. The first half of every fused layer (the MoE layer of
-    kernels/fused_moe.py too)."""
+    kernels/fused_moe.py too). conv_shape = (taps, group_size, block_len, and_arm), zeros without
+    the conv. Keys: rows first..len(k_pos)-1 of kbuf / vbuf (first > 0: the draft window)."""
     n, H = h.shape
+    taps, group_size, block_len, and_arm = conv_shape
     has_conv = weight_size(att_proj) > 0
     if start + n > kbuf.shape[1] or start + n > vbuf.shape[1] or k_pos.shape[0] > kbuf.shape[1]:
         raise ValueError("decoder_layer: the K/V buffer has no room for the block (reserve first)")
@@ -240,7 +240,7 @@ def attention_half(h, wqkv, wo, ln1, q_norm, k_norm, att_proj, att_base, kbuf, v
     _rope_rows(k.reshape(n, nkv, hd), cos, sin, _runtime_bool(bf16), kr)
     _write_kv(kbuf, vbuf, start, kr, v)
 
-    o = _attention(qr, kbuf, vbuf, q_pos, k_pos, causal, window, par_min_macs, parallel, bf16)  # [n, nh, hd]
+    o = _attention(qr, kbuf, vbuf, q_pos, k_pos, first, causal, window, par_min_macs, parallel, bf16)  # [n, nh, hd]
     _rnd(o, bf16)
     y = _linear(o.reshape(n, nh * hd), wo, H, par_min_macs, parallel, bf16)  # [n, H]
     if has_conv:
@@ -254,7 +254,7 @@ def _make_decoder_layer(bf16: bool, parallel: bool):
 
     @njit(cache=True, nogil=True)
     def decoder_layer_kernel(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
-                             causal, window, eps, par_min_macs):
+                             causal, window, eps, par_min_macs, first):
         """One pre-norm decoder layer on h [n, H] (in place); arguments as `decoder_layer`."""
         wqkv, wo, wgu, wd = weights
         ln1, ln2, q_norm, k_norm = norms
@@ -264,8 +264,8 @@ def _make_decoder_layer(bf16: bool, parallel: bool):
         inter = in_features(wd)  # I: the down projection's input features
         has_conv = weight_size(att_proj) > 0
         attention_half(h, wqkv, wo, ln1, q_norm, k_norm, att_proj, att_base, kbuf, vbuf, start, q_pos, k_pos, cos,
-                       sin, nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, causal, window, eps,
-                       par_min_macs, parallel, bf16)
+                       sin, nh, nkv, hd, (taps, group_size, block_len, and_arm), k_at, v_at, causal, window, eps,
+                       par_min_macs, parallel, bf16, first)
 
         m = _rms(h, ln2, eps, bf16)  # [n, H]
         if has_conv:
@@ -321,7 +321,7 @@ def kernel_variants() -> list:
 
 
 def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
-                  causal, window, eps, bf16, par_min_macs):
+                  causal, window, eps, bf16, par_min_macs, first=0):
     """One pre-norm decoder layer on h [n, H] (in place); see the module docstring.
 
     weights (wqkv, wo, wgu, wd): panels (kernels/panels.py); wqkv = q [nh*hd, H], k, v [nkv*hd, H]
@@ -333,9 +333,10 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
     kbuf, vbuf [nkv, >= start+n, hd]: the layer's K/V buffer; rows start..start+n-1 are written
     shape   (nh, nkv, hd, taps, group_size, block_len, and_arm, k_at, v_at, u_at) ints; *_at: the
             first column of k / v / up in its group's output
+    first   the first key row attended (rows before it are masked: the draft window)
     bf16 and par_min_macs < NEVER pick the compiled variant (module docstring)."""
     _layer_kernel(bool(bf16), par_min_macs < NEVER)(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos,
-                                                    cos, sin, shape, causal, window, eps, par_min_macs)
+                                                    cos, sin, shape, causal, window, eps, par_min_macs, int(first))
 
 
 def context_update(x, fc, hidden_norm, wk, wv, k_norm, kcache, vcache, start, cos, sin, nkv, hd, eps, bf16,

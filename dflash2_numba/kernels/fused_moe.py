@@ -57,8 +57,8 @@ def _make_moe_layer(bf16: bool, parallel: bool):
         nh, nkv, hd, k_at, v_at, E, top_k, renorm, inter, sh_inter = shape
         n, H = h.shape
         attention_half(h, wqkv, wo, ln1, q_norm, k_norm, no_proj, no_base, kbuf, vbuf, start, q_pos,
-                       k_pos, cos, sin, nh, nkv, hd, 0, 0, 0, 0, k_at, v_at, causal, window, eps, par_min_macs,
-                       parallel, bf16)
+                       k_pos, cos, sin, nh, nkv, hd, (0, 0, 0, 0), k_at, v_at, causal, window, eps, par_min_macs,
+                       parallel, bf16, 0)
 
         m = _rms(h, ln2, eps, bf16)  # [n, H]
         logits = _linear(m, router, E, par_min_macs, parallel, bf16)  # [n, E]

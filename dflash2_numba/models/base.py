@@ -47,6 +47,11 @@ class KVCache:
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
 
+    def bytes_at(self, positions: int) -> int:
+        """Bytes of K and V that `positions` cached positions take (every layer, both tensors)."""
+        L, nkv, _, hd = self.k.shape
+        return 2 * L * nkv * int(positions) * hd * np.dtype(self.k.dtype).itemsize
+
     def commit(self, n: int) -> None:
         """Keep positions 0..n-1 (n <= length): after a verify forward, n = the anchor's position
         + accepted rows + 1. The one call the decode loop makes on a target cache of any layer

@@ -13,7 +13,8 @@ Block: rows [anchor, mask * (Q-1)] at positions p..p+Q-1, embedded with the TARG
 Each layer is a pre-norm Qwen3 layer whose keys/values are [context K/V at positions < p] ++
 [block K/V]; a key at s is visible from a query at q in full layers or when |q-s| <= W-1
 (symmetric sliding window), and in causal layers only if also s <= q. Output: RMSNorm_norm(h);
-the target's lm_head on the mask rows 1..Q-1 only. Block K/V never persist.
+the target's lm_head on the mask rows 1..Q-1 only. Block K/V never persist. A draft window N
+(`draft_window`, per request) hides context keys older than p - N as well.
 
 `block_forward` takes several requests at once (rows laid end to end, Q per request: the layout
 of spec §4.2) so that weights are read once per batch; `propose` uses one request.
@@ -41,6 +42,14 @@ from .selector import _top_k_rows
 from .base import KVCache
 
 N_SLOT_CANDIDATES = 8  # candidates per mask slot listed in Proposal.info["slots"] (v1)
+
+
+def first_key(state, p: int) -> int:
+    """The first context row a block at p attends to: p - N under a draft window N (the state's
+    `draft_window`, set per request by decode/step.py; keys older than the last N context
+    positions are masked), else 0. The block's own rows are always visible."""
+    n = getattr(state, "draft_window", 0)
+    return max(0, p - n) if n else 0
 
 
 class DFlashDraft:
@@ -161,6 +170,8 @@ class DFlashDraft:
         for state, _, s, n in items:
             state.length = s + n
 
+    supports_draft_window = True  # decode/step.check_draft_window: the state's draft_window is honoured
+
     # ------------------------------------------------------------------ block forward
     def embed_block(self, anchor_ids, n_rows) -> np.ndarray:
         """[anchor, mask*(Q_r-1)] per request through the TARGET embedding -> [sum Q_r, H] f32.
@@ -206,10 +217,11 @@ class DFlashDraft:
         if R == 1 and self._fusable():  # one numba call per layer (kernels/fused.py): same bits
             st, p, Q = states[0], int(anchor_positions[0]), rows[0]
             shape, k_pos, pmm = self._fused_shape(Q), np.arange(p + Q), fused.parallel_min_macs()
+            first = first_key(st, p)
             for i, L in enumerate(self.layers):
                 fused.decoder_layer(h, L["fused_weights"], L["fused_norms"], self._fused_conv(L), st.k[i], st.v[i],
                                     p, pos, k_pos, cos, sin, shape, L["causal"], L["window"],
-                                    np.float32(eps), bf16, pmm)
+                                    np.float32(eps), bf16, pmm, first)
             return ops.rms_norm(h, self.norm, eps, bf16)  # [Q, H]
         linear = self._row_linear
         conv_rows = rows[0] if R == 1 else rows
@@ -227,8 +239,8 @@ class DFlashDraft:
                 # block K/V written just past the context, length NOT bumped: nothing persists
                 st.k[i, :, p:p + Q] = k[blk].transpose(1, 0, 2)  # [nkv, Q, hd]
                 st.v[i, :, p:p + Q] = v[blk].transpose(1, 0, 2)
-                o[blk] = self.ops.attention(q[blk], st.k[i], st.v[i], pos[blk], np.arange(p + Q),
-                                            L["causal"], L["window"], bf16)  # keys: rows 0..p+Q-1
+                o[blk] = self.ops.attention(q[blk], st.k[i], st.v[i], pos[blk], np.arange(p + Q), L["causal"],
+                                            L["window"], bf16, first=first_key(st, p))  # keys: rows first..p+Q-1
             o = self._proj(L, "o", rnd_if(o, bf16).reshape(N, nh * hd), linear)  # [N, H]
             h = rnd_if(h + self.conv_finish(L, "attention_conv", o, k_att, conv_rows), bf16)
 

@@ -31,6 +31,9 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
     @click.option("--block-size", default="auto", show_default=True, metavar="auto|Q",
                   help="Default verify width per request: auto (greedy requests share one budget of verify "
                        "rows, chosen from measured costs) or a fixed Q in 2..B; a request's block_size overrides it.")
+    @click.option("--draft-window", type=int, default=0, show_default=True, metavar="N",
+                  help="Default draft window: the draft attends to the last N context positions (0 = all; "
+                       "a request's draft_window overrides it).")
     @click.option("--max-running", type=int, default=4, show_default=True,
                   help="Requests decoded together (batched) at most.")
     @click.option("--max-waiting", type=int, default=16, show_default=True,
@@ -41,8 +44,8 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
                   help="Largest request body (MiB); a larger one gets 413 before it is read.")
     @click.option("--max-json-depth", type=int, default=32, show_default=True,
                   help="Deepest JSON nesting a request body may have (400 past it).")
-    def serve(target_dir, draft_dir, device, threads, dtype, host, port, block_size, max_running, max_waiting,
-              shutdown_grace, max_body_mb, max_json_depth, quantize=None):
+    def serve(target_dir, draft_dir, device, threads, dtype, host, port, block_size, draft_window, max_running,
+              max_waiting, shutdown_grace, max_body_mb, max_json_depth, quantize=None):
         """OpenAI-compatible HTTP server (chat / completions, streamed or not) that batches requests."""
         try:
             from .engine import Engine
@@ -56,7 +59,8 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
         block_size = parse_block_size(block_size)  # "auto" | int >= 2 (BlockSizeError otherwise)
         model_id = DEFAULT_MODEL_ID if target_dir is None else Path(target_dir).resolve().name
         engine = Engine(lambda: load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)[2:],
-                        max_running=max_running, max_waiting=max_waiting, block_size=block_size)
+                        max_running=max_running, max_waiting=max_waiting, block_size=block_size,
+                        draft_window=draft_window)
         if max_body_mb <= 0 or max_json_depth < 2:
             raise click.BadParameter("--max-body-mb must be > 0 and --max-json-depth >= 2")
         limits = Limits(int(max_body_mb * 1024 * 1024), max_json_depth)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..decode.batch_width import BatchWidth
-from ..decode.loop import check_context, runtime_block_size
+from ..decode.loop import check_context, check_draft_window, runtime_block_size
 from ..decode.width import AUTO, costs_for, parse_block_size
 from ..decode.sampling import SamplingParams
 from ..decode.step import PREFILL_CHUNK, Decoding
@@ -81,12 +81,13 @@ class Engine:
 
     def __init__(self, load: Callable[[], tuple], *, max_running: int = 4, max_waiting: int = 16,
                  block_size: int | str | None = AUTO, warm: bool = True,
-                 on_fatal: Callable[[], None] = lambda: None):
+                 on_fatal: Callable[[], None] = lambda: None, draft_window: int = 0):
         if max_running < 1 or max_waiting < 0:
             raise GenerationArgumentError(
                 f"--max-running must be >= 1 and --max-waiting >= 0, got {max_running}, {max_waiting}")
         self._load, self.warm, self.on_fatal = load, warm, on_fatal
         self.max_running, self.max_waiting, self.block_size = int(max_running), int(max_waiting), block_size
+        self.draft_window = check_draft_window(None, draft_window)  # the default of requests without one
         self.state, self.load_error = LOADING, None
         self.target = self.draft = None
         self.budget: BatchWidth | None = None  # the greedy "auto" requests' verify-row budget
@@ -118,10 +119,12 @@ class Engine:
             check_context(self.target, len(req.prompt_ids), req.max_tokens)
             if self.draft is not None:
                 runtime_block_size(self.draft, req.block_size if req.block_size is not None else self.block_size)
+            check_draft_window(self.draft, self._draft_window(req))
         except DFlashError as e:
             err = as_request_error(e)
-            if "block_size" in str(e):
-                err.param = "block_size"
+            for param in ("block_size", "draft_window"):
+                if param in str(e):
+                    err.param = param
             raise err from None
         return req
 
@@ -251,7 +254,10 @@ class Engine:
             self.draft, req.block_size if req.block_size is not None else self.block_size)
         return Decoding(self.target, self.draft, req.prompt_ids, req.max_tokens, Q, req.sampling, (), text=False,
                         logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
-                        width=self._width(req))
+                        width=self._width(req), draft_window=self._draft_window(req))
+
+    def _draft_window(self, req: GenRequest) -> int:
+        return self.draft_window if req.draft_window is None else req.draft_window
 
     def _loop(self) -> None:
         while True:

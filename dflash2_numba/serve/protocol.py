@@ -33,7 +33,7 @@ MAX_PROMPTS = 64  # prompts in one completions request (each its own choice)
 REASONING_EFFORTS = ("low", "medium", "high")  # what gpt-oss's template prints as "Reasoning: ..."
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                 "stream_options", "block_size", "n", "logprobs", "presence_penalty", "frequency_penalty",
+                 "stream_options", "block_size", "draft_window", "n", "logprobs", "presence_penalty", "frequency_penalty",
                  "user"}
 FIELDS = {"chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs",
                                     "reasoning_effort"},
@@ -96,6 +96,7 @@ class GenRequest:
     max_tokens: int
     sampling: SamplingParams
     block_size: int | str | None = None  # "auto" | Q | None (the server's default)
+    draft_window: int | None = None  # the draft attends to the last N context positions (None: the server's)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -290,7 +291,9 @@ def parse_requests(body, kind: str, model_ids, tokenizer, vocab: int) -> list[Ge
     except DFlashError as e:
         raise as_request_error(e) from None
     block_size, stop = _block_size(body), _stop(body)
-    return [GenRequest(kind, model, ids, max_tokens, sampling, block_size=block_size, stop=stop, stream=stream,
+    draft_window = _typed(body, "draft_window", int, "an integer", None)
+    return [GenRequest(kind, model, ids, max_tokens, sampling, block_size=block_size, draft_window=draft_window,
+                       stop=stop, stream=stream,
                        include_usage=include_usage, logprobs=logprobs, echo=echo, index=i,
                        enable_thinking=thinking)
             for i, ids in enumerate(prompts)]

@@ -1,0 +1,108 @@
+"""The block attention of kernels/attention.py at long contexts: tiles of TILE keys, a partial
+softmax per (tile, KV head) for every query row and head of the GQA group, merged per row in a
+fixed tile order, tiles split over threads.
+
+- equals the numpy reference at contexts that cross every tile boundary (T = TILE - 1, TILE,
+  TILE + 1, several tiles and a partial one), for 1..16 rows, GQA groups of 1, 2 and 4 heads,
+  with and without a sliding window, through the serial and the parallel driver;
+- row invariance: a causal Q-row block (a verify) gives, bit for bit, the rows of Q one-row
+  steps at positions start..start+Q-1 (each with keys 0..p), the parallel driver the bits of the
+  serial one, on every instruction-set path (DFLASH2_ISA=avx2 / generic in a subprocess).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dflash2_numba.kernels import attention as attention_module
+from dflash2_numba.kernels.attention import TILE, attention, attention_reference
+
+# contexts crossing the tile boundaries (3 * TILE + 3: a block whose early rows see 3 tiles, its
+# late ones 4 -- two-tile merges commute, three do not); the block's rows sit at its end
+CONTEXTS = (TILE - 1, TILE, TILE + 1, 2 * TILE + 3, 3 * TILE + 3, 4 * TILE + TILE // 2)
+
+
+def _case(seed, nq, nh, nkv, hd, T):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((nq, nh, hd)).astype(np.float32)  # [nq, nh, hd]
+    k = rng.standard_normal((nkv, T + 8, hd)).astype(np.float32)  # [nkv, T + scratch, hd]
+    v = rng.standard_normal((nkv, T + 8, hd)).astype(np.float32)
+    k[:, T:] = np.nan  # rows past the keys: never read
+    v[:, T:] = np.nan
+    return q, k, v
+
+
+def _force(monkeypatch, driver):
+    monkeypatch.setattr(attention_module, "use_parallel", lambda macs: driver == "parallel")
+
+
+@pytest.mark.parametrize("driver", ["serial", "parallel"])
+@pytest.mark.parametrize("T", CONTEXTS)
+@pytest.mark.parametrize("nq,nh,nkv", [(1, 4, 4), (4, 8, 4), (8, 8, 2), (16, 4, 2)])
+@pytest.mark.parametrize("window", [0, 200])
+def test_equals_reference_across_tiles(monkeypatch, driver, T, nq, nh, nkv, window):
+    _force(monkeypatch, driver)
+    q, k, v = _case(T * 31 + nq, nq, nh, nkv, 16, T)
+    q_pos, k_pos = np.arange(T - nq, T), np.arange(T)
+    got = attention(q, k, v, q_pos, k_pos, True, window)
+    want = attention_reference(q, k[:, :T], v[:, :T], q_pos, k_pos, True, window)
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-6)
+
+
+@pytest.mark.parametrize("T", CONTEXTS)
+def test_non_causal_draft_block_across_tiles(monkeypatch, T):
+    """The draft's use: context ++ block, bidirectional, GQA 4, keys over several tiles."""
+    _force(monkeypatch, "parallel")
+    q, k, v = _case(T, 8, 8, 2, 16, T)
+    q_pos, k_pos = np.arange(T - 8, T), np.arange(T)
+    for window in (0, 300):
+        got = attention(q, k, v, q_pos, k_pos, False, window)
+        want = attention_reference(q, k[:, :T], v[:, :T], q_pos, k_pos, False, window)
+        np.testing.assert_allclose(got, want, rtol=0, atol=3e-6)
+
+
+def row_invariance_failures(contexts=CONTEXTS, rows=(2, 4, 8, 16), windows=(0, 100, 300)) -> list:
+    """Every (context, rows, window, driver) whose Q-row causal block differs in any bit from Q
+    one-row steps, or whose parallel driver differs from the serial one. Also run as a script
+    (the ISA subprocess test)."""
+    bad = []
+    drivers = {"serial": attention_module._attention_ser, "parallel": attention_module._attention_par}
+
+    def run(driver, q, k, v, q_pos, T, window):
+        out = np.empty(q.shape, np.float32)
+        drivers[driver](q, k, v, q_pos, np.arange(T), 0, T, True, window, False, out)
+        return out
+
+    for T in contexts:
+        for Q in rows:
+            q, k, v = _case(T * 7 + Q, Q, 8, 2, 16, T)
+            q_pos = np.arange(T - Q, T)
+            for window in windows:
+                block = {d: run(d, q, k, v, q_pos, T, window) for d in drivers}
+                if not np.array_equal(block["serial"], block["parallel"]):
+                    bad.append((T, Q, window, "parallel != serial"))
+                for r, p in enumerate(q_pos):
+                    one = run("serial", np.ascontiguousarray(q[r:r + 1]), k, v, q_pos[r:r + 1], p + 1, window)
+                    if not np.array_equal(one[0], block["serial"][r]):
+                        bad.append((T, Q, window, f"row {r} (position {p}) != its one-row step"))
+    return bad
+
+
+def test_q_rows_equal_q_one_row_steps_bitwise():
+    assert row_invariance_failures() == []
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_row_invariance_on_lower_isa_paths(isa):
+    """The same check compiled for a lower instruction-set path (kernels/isa.py override)."""
+    env = dict(os.environ, DFLASH2_ISA=isa)  # numba's cache key holds the feature string: no collision
+    code = ("import sys; sys.path.insert(0, 'tests'); from dflash2_numba.kernels import isa; "
+            f"assert isa.selected() == {isa!r}, isa.selected(); "
+            "from test_block_attention import row_invariance_failures as f; "
+            "bad = f(rows=(4, 8), windows=(0, 300)); print(bad); sys.exit(1 if bad else 0)")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
