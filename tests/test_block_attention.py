@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from dflash2_numba.kernels import attention as attention_module
-from dflash2_numba.kernels.attention import TILE, attention, attention_reference
+from dflash2_numba.kernels.attention import NO_SINKS, TILE, attention, attention_reference
 
 # contexts crossing the tile boundaries (3 * TILE + 3: a block whose early rows see 3 tiles, its
 # late ones 4 -- two-tile merges commute, three do not); the block's rows sit at its end
@@ -64,6 +64,25 @@ def test_non_causal_draft_block_across_tiles(monkeypatch, T):
         np.testing.assert_allclose(got, want, rtol=0, atol=3e-6)
 
 
+
+@pytest.mark.parametrize("driver", ["serial", "parallel"])
+@pytest.mark.parametrize("T", (TILE + 1, 3 * TILE + 3))
+def test_sinks_across_tiles(monkeypatch, driver, T):
+    """gpt-oss's sink logits (one per query head, joined after the tile merge) equal the
+    reference's extra softmax column, and a Q-row causal block with sinks still gives the bits of
+    its one-row steps."""
+    _force(monkeypatch, driver)
+    q, k, v = _case(T + 5, 8, 8, 2, 16, T)
+    sinks = np.random.default_rng(T).normal(2.0, 2.0, 8).astype(np.float32)  # [nh]: some above every score
+    q_pos, k_pos = np.arange(T - 8, T), np.arange(T)
+    got = attention(q, k, v, q_pos, k_pos, True, 0, sinks=sinks)
+    want = attention_reference(q, k[:, :T], v[:, :T], q_pos, k_pos, True, 0, sinks=sinks)
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-6)
+    assert not np.allclose(got, attention(q, k, v, q_pos, k_pos, True, 0), atol=1e-3)  # the sinks matter
+    for i in range(8):  # row i alone, keys 0..its position
+        one = attention(q[i:i + 1], k, v, q_pos[i:i + 1], np.arange(q_pos[i] + 1), True, 0, sinks=sinks)
+        assert np.array_equal(one[0], got[i])
+
 def row_invariance_failures(contexts=CONTEXTS, rows=(2, 4, 8, 16), windows=(0, 100, 300)) -> list:
     """Every (context, rows, window, driver) whose Q-row causal block differs in any bit from Q
     one-row steps, or whose parallel driver differs from the serial one. Also run as a script
@@ -73,7 +92,7 @@ def row_invariance_failures(contexts=CONTEXTS, rows=(2, 4, 8, 16), windows=(0, 1
 
     def run(driver, q, k, v, q_pos, T, window):
         out = np.empty(q.shape, np.float32)
-        drivers[driver](q, k, v, q_pos, np.arange(T), 0, T, True, window, False, out)
+        drivers[driver](q, k, v, q_pos, np.arange(T), 0, T, True, window, False, NO_SINKS, out)
         return out
 
     for T in contexts:
