@@ -44,9 +44,9 @@ def arr(t, nd, layout="C"):
 def conv_sig(t):  # x, delta, base, out, group_size, block_len, and_arm
     return (arr(t, 2), arr(t, 3), arr(t, 2), arr(t, 2), i64, i64, b1)
 
-def att_sig(kv_layout):  # q, k, v, q_pos, k_pos, causal, window, bf16_probs, scratch, out
+def att_sig(kv_layout):  # q, k, v, q_pos, k_pos, first, causal, window, bf16_probs, scratch, out
     return (arr(f32, 3), arr(f32, 3, kv_layout), arr(f32, 3, kv_layout), arr(i64, 1), arr(i64, 1),
-            b1, i64, b1, arr(f32, 2), arr(f32, 3))
+            i64, b1, i64, b1, arr(f32, 2), arr(f32, 3))
 
 # positive control: the conv built from the CPU's plain a*b / a+b helpers (contractible)
 first, tap = conv.make_conv_steps(conv._mul, conv._add, conv._same)
