@@ -24,9 +24,10 @@ dense f32 product only by rounding).
 Speed: one byte holds two weights; per 32 weights the decode costs a load, a widen, a shift and
 two permutes, shared by the rows (the scale 2^(s - 127) is a broadcast load from a 256-entry
 table: no shuffle-port work); each row adds three float ops. Weight bytes are prefetched 2 KB
-ahead (as the integer kernels, quant/kernels_int8.py). `bench/quant_stream.py`, one row, 1
-thread, load 5: 8.5 GB/s = 0.71 of a numpy read at the same time (q4_0 0.80, q8_0 0.81); the
-first version, which built the scale in registers and masked the low nibble, read 0.50.
+ahead (as the integer kernels, quant/kernels_int8.py). Blocks alternate between two sets of
+accumulators (even / odd blocks, added at the end): one FMA chain per output would wait on the
+FMA latency every block. `bench/quant_stream.py`, one row, 1 thread, quiet: 10.5 GB/s = 0.63 of
+a numpy read at the same time (q4_0 0.83, q8_0 0.91).
 """
 
 from __future__ import annotations
@@ -120,52 +121,86 @@ def _tile(R: int):
             zero_f = ir.Constant(vf, [0.0] * V)
             G = 16 // V  # vectors per 16 logical lanes: lane j of the block pairs bytes j (lo, hi)
 
+            def block(b, acc):
+                """IR of block b for every row: acc [R][G] -> the accumulators after it."""
+                src = builder.gep(b0, [builder.mul(b, const(16))])
+                builder.call(prefetch, [builder.gep(src, [const(PREFETCH_BYTES)]), ir.Constant(i32, 0),
+                                        ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                lo, hi = [], []  # per group g: bytes g*V .. g*V+V-1 widened; their low / high nibbles decoded
+                for g in range(G):
+                    raw = builder.load(builder.bitcast(builder.gep(src, [const(g * V)]),
+                                                       ir.VectorType(i8, V).as_pointer()), align=1)
+                    d = builder.zext(raw, vi)
+                    # elements 2j: pair with xe[32b + j] (vpermps zmm reads only an index's low 4 bits)
+                    lo.append(decode(d if VBITS == 512 else builder.and_(d, ivec(15))))
+                    hi.append(decode(builder.lshr(d, ivec(4))))  # elements 2j + 1: with xe[32b + 16 + j]
+                s = builder.zext(builder.load(builder.gep(s0, [b])), i64)
+                scale = splat(builder.load(builder.gep(pa.data, [s])), vf)  # 2^(s - 127): a broadcast load
+                new = []
+                for r in range(R):
+                    xb = builder.gep(x0, [builder.add(builder.mul(const(r), K), builder.mul(b, const(BLOCK)))])
+                    row = []
+                    for g in range(G):
+                        xl = builder.load(builder.bitcast(builder.gep(xb, [const(g * V)]), vf.as_pointer()), align=4)
+                        xh = builder.load(builder.bitcast(builder.gep(xb, [const(16 + g * V)]), vf.as_pointer()),
+                                          align=4)
+                        t = builder.call(fma, [hi[g], xh, builder.fmul(lo[g], xl)])  # lane j: w_2j x_2j + w_2j+1 x_2j+1
+                        row.append(builder.call(fma, [t, scale, acc[r][g]]))
+                    new.append(row)
+                return new
+
+            def phis(sources):
+                """[R][G] phis merging (value set, predecessor block) pairs."""
+                out = [[builder.phi(vf) for _ in range(G)] for _ in range(R)]
+                for vals, pred in sources:
+                    for r in range(R):
+                        for g in range(G):
+                            out[r][g].add_incoming(vals[r][g], pred)
+                return out
+
+            # blocks in pairs: even blocks into accumulator set A, odd ones into B (two independent
+            # FMA chains: one chain per output would wait on the FMA latency every block); an odd
+            # last block goes into A; then A + B. The same order for every row count and path.
+            zeros = [[zero_f] * G for _ in range(R)]
+            npairs = builder.ashr(nb, const(1))
             entry = builder.block
-            loop = builder.append_basic_block("mx.b")
+            loop = builder.append_basic_block("mx.pairs")
+            after = builder.append_basic_block("mx.after")
+            tail = builder.append_basic_block("mx.tail")
             done = builder.append_basic_block("mx.done")
-            builder.cbranch(builder.icmp_signed("<=", nb, const(0)), done, loop)
+            builder.cbranch(builder.icmp_signed("<=", npairs, const(0)), after, loop)
             builder.position_at_end(loop)
-            b = builder.phi(i64)
-            acc = [[builder.phi(vf) for _ in range(G)] for _ in range(R)]
-            src = builder.gep(b0, [builder.mul(b, const(16))])
-            builder.call(prefetch, [builder.gep(src, [const(PREFETCH_BYTES)]), ir.Constant(i32, 0),
-                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            lo, hi = [], []  # per group g: bytes g*V .. g*V+V-1 widened; their low / high nibbles decoded
-            for g in range(G):
-                raw = builder.load(builder.bitcast(builder.gep(src, [const(g * V)]),
-                                                   ir.VectorType(i8, V).as_pointer()), align=1)
-                d = builder.zext(raw, vi)
-                # elements 2j: pair with xe[32b + j] (vpermps zmm reads only an index's low 4 bits)
-                lo.append(decode(d if VBITS == 512 else builder.and_(d, ivec(15))))
-                hi.append(decode(builder.lshr(d, ivec(4))))  # elements 2j + 1: with xe[32b + 16 + j]
-            s = builder.zext(builder.load(builder.gep(s0, [b])), i64)
-            scale = splat(builder.load(builder.gep(pa.data, [s])), vf)  # 2^(s - 127): a broadcast load
-            new = []
-            for r in range(R):
-                xb = builder.gep(x0, [builder.add(builder.mul(const(r), K), builder.mul(b, const(BLOCK)))])
-                row = []
-                for g in range(G):
-                    xl = builder.load(builder.bitcast(builder.gep(xb, [const(g * V)]), vf.as_pointer()), align=4)
-                    xh = builder.load(builder.bitcast(builder.gep(xb, [const(16 + g * V)]), vf.as_pointer()), align=4)
-                    t = builder.call(fma, [hi[g], xh, builder.fmul(lo[g], xl)])  # lane j: w_2j x_2j + w_2j+1 x_2j+1
-                    row.append(builder.call(fma, [t, scale, acc[r][g]]))
-                new.append(row)
-            b_next = builder.add(b, const(1))
-            b.add_incoming(const(0), entry)
-            b.add_incoming(b_next, loop)
+            i = builder.phi(i64)
+            accA = [[builder.phi(vf) for _ in range(G)] for _ in range(R)]
+            accB = [[builder.phi(vf) for _ in range(G)] for _ in range(R)]
+            newA = block(builder.mul(i, const(2)), accA)
+            newB = block(builder.add(builder.mul(i, const(2)), const(1)), accB)
+            i_next = builder.add(i, const(1))
+            loop_end = builder.block
+            i.add_incoming(const(0), entry)
+            i.add_incoming(i_next, loop_end)
             for r in range(R):
                 for g in range(G):
-                    acc[r][g].add_incoming(zero_f, entry)
-                    acc[r][g].add_incoming(new[r][g], loop)
-            builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
+                    accA[r][g].add_incoming(zero_f, entry)
+                    accA[r][g].add_incoming(newA[r][g], loop_end)
+                    accB[r][g].add_incoming(zero_f, entry)
+                    accB[r][g].add_incoming(newB[r][g], loop_end)
+            builder.cbranch(builder.icmp_signed("<", i_next, npairs), loop, after)
+
+            builder.position_at_end(after)
+            A = phis([(zeros, entry), (newA, loop_end)])
+            B = phis([(zeros, entry), (newB, loop_end)])
+            odd = builder.icmp_signed("!=", builder.and_(nb, const(1)), const(0))
+            builder.cbranch(odd, tail, done)
+            builder.position_at_end(tail)
+            A_tail = block(builder.sub(nb, const(1)), A)
+            tail_end = builder.block
+            builder.branch(done)
 
             builder.position_at_end(done)
-            phis = [[builder.phi(vf) for _ in range(G)] for _ in range(R)]  # phis lead the block
+            A_done = phis([(A, after), (A_tail, tail_end)])
             for r in range(R):
-                outs = phis[r]
-                for g in range(G):
-                    outs[g].add_incoming(zero_f, entry)
-                    outs[g].add_incoming(new[r][g], loop)
+                outs = [builder.fadd(A_done[r][g], B[r][g]) for g in range(G)]
                 # the 16 logical lanes summed in a fixed tree, [0, w/2) + [w/2, w), on every path
                 out, width = (outs[0], 16) if G == 1 else (builder.fadd(outs[0], outs[1]), 8)
                 while width > 1:
