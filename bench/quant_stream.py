@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -24,16 +23,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+from acceptance import cpu_model  # noqa: E402
 
 
 def main() -> None:
@@ -98,7 +90,7 @@ def main() -> None:
     nbytes["numpy_read"] = probe.nbytes
     gbs = {name: nbytes[name] / min(t) / 1e9 for name, t in times.items()}
     result = {
-        "cpu": cpu_name(), "host_cpu_name": numba.config.CPU_NAME or __import__("llvmlite.binding").binding.get_host_cpu_name(),
+        "cpu": cpu_model(), "host_cpu_name": numba.config.CPU_NAME or __import__("llvmlite.binding").binding.get_host_cpu_name(),
         "isa_path": isa.selected(), "threads": args.threads, "mb": args.mb, "rounds": args.rounds,
         "load_avg": [load0, os.getloadavg()[0]], "gb_per_s": gbs,
         "fraction_of_read": {fmt: gbs[fmt] / gbs["numpy_read"] for fmt in (*weights, "mxfp4")},
