@@ -39,6 +39,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..kernels import isa
+from .kernels_int8 import ir_fn, ir_splat  # the IR helpers the integer kernels share
 
 BLOCK = 32
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)  # [16] code -> value
@@ -76,12 +77,10 @@ def _tile(R: int):
                 return ir.Constant(vi, [v] * V)
 
             def fn(name, ret, argtys):
-                return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
+                return ir_fn(builder, name, ret, argtys)
 
             def splat(scalar, vty):
-                undef = ir.Constant(vty, ir.Undefined)
-                one = builder.insert_element(undef, scalar, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
+                return ir_splat(builder, scalar, vty)
 
             fma = fn(f"llvm.fma.v{V}f32", vf, [vf, vf, vf])
             prefetch = fn("llvm.prefetch.p0i8", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
