@@ -144,6 +144,7 @@ def main(argv=None):
                     "random ~100M Qwen3, written once)")
     ap.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's own)")
     ap.add_argument("--quantize", default="bf16", choices=["bf16", "q8_0", "q4_0"])
+    ap.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16"], help="the KV cache's element type")
     ap.add_argument("--verify-only", action="store_true", help="only the verify-cost table")
     ap.add_argument("--out", type=Path, default=None, help="append the verify-cost row to this JSON list")
     ap.add_argument("--contexts", default=None, help="comma-separated contexts: the verify-cost table at each "
@@ -162,7 +163,7 @@ def main(argv=None):
         target.tokenizer = Tokenizer.from_dir(path)
         target.valid_vocab = min(target.tokenizer.vocab_size, target.config.vocab_size)
     else:
-        target = load_target(path, device=args.device, quantize=args.quantize)
+        target = load_target(path, device=args.device, quantize=args.quantize, kv_dtype=args.kv_dtype)
     prompt = np.random.default_rng(0).integers(0, target.valid_vocab, args.context).tolist()
     import numba
 
@@ -187,7 +188,8 @@ def main(argv=None):
             print(f"  {C:>8}  {best[1] * 1e3:9.2f}  " + "  ".join(f"{cost[q]:6.2f}" for q in QS)
                   + f"  {best['load'][0]:.1f}-{best['load'][1]:.1f}", flush=True)
             if args.out is not None:
-                record(args.out, {"quantize": args.quantize, "isa": isa.describe(), "cpu": cpu_model(),
+                record(args.out, {"quantize": args.quantize, "kv_dtype": args.kv_dtype, "isa": isa.describe(),
+                                  "cpu": cpu_model(),
                                   "threads": numba.get_num_threads(), "context": C, "one_row_ms": best[1] * 1e3,
                                   "cost_x_one_row": {str(q): c for q, c in cost.items()},
                                   "loadavg_1min": best["load"], "rows_interleaved": True})
@@ -204,8 +206,8 @@ def main(argv=None):
         cost[Q] = tq / t1
         print(f"  {Q:>4}  {tq * 1e3:8.2f}  {cost[Q]:8.2f}  {Q / cost[Q]:14.2f}")
     if args.out is not None:
-        record(args.out, {"quantize": args.quantize, "isa": isa.describe(), "cpu": cpu_model(),
-                          "threads": numba.get_num_threads(), "context": args.context, "one_row_ms": t1 * 1e3,
+        record(args.out, {"quantize": args.quantize, "kv_dtype": args.kv_dtype, "isa": isa.describe(),
+                          "cpu": cpu_model(), "threads": numba.get_num_threads(), "context": args.context, "one_row_ms": t1 * 1e3,
                           "cost_x_one_row": {str(q): c for q, c in cost.items()}})
     if args.verify_only:
         return

@@ -16,6 +16,7 @@ from .errors import DeviceUnavailableError, GenerationArgumentError, UnknownArch
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("f32", "bf16")
+KV_DTYPES = ("f32", "bf16")  # the KV cache element types (numerics.KV_DTYPES maps them to numpy dtypes)
 
 
 QUANTIZE = ("bf16", "q8_0", "q4_0", "q4_k")  # "bf16": the weights as stored
@@ -31,15 +32,22 @@ def _quantize_arg(quantize):
 
 
 def load_target(model_dir, device: str = "cpu", dtype: str = "f32", quantize: str | None = None,
-                keep_head: bool = False):
+                keep_head: bool = False, kv_dtype: str = "f32"):
     """A Hugging Face target directory (any family in `families.FAMILIES`) -> its model with
     `.tokenizer` attached. quantize "q8_0" / "q4_0" / "q4_k": every linear weight (the lm_head too,
-    unless keep_head) is quantized at load with llama.cpp's block math (Qwen3 / Llama targets)."""
+    unless keep_head) is quantized at load with llama.cpp's block math (Qwen3 / Llama targets).
+    kv_dtype "f32" | "bf16": the element type of the KV caches of the target and of a draft
+    loaded for it (bf16 halves the bytes attention reads at long context; CPU only)."""
     quantize = _quantize_arg(quantize)
     if device not in DEVICES:
         raise GenerationArgumentError(f"device must be one of {DEVICES}, got {device!r}")
     if dtype not in DTYPES:
         raise GenerationArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise GenerationArgumentError(f"kv_dtype must be one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype != "f32" and device != "cpu":
+        raise GenerationArgumentError(f"kv_dtype={kv_dtype!r} is implemented on the CPU only (the CUDA attention "
+                                      f"kernel reads an f32 cache); use kv_dtype='f32' with device={device!r}")
     if device == "cuda":
         _require_cuda()
     from .families import target_family  # lazy: importing compiles nothing, but keeps
@@ -59,6 +67,7 @@ def load_target(model_dir, device: str = "cpu", dtype: str = "f32", quantize: st
                 f"{config_path}: quantize={quantize!r} is implemented for the Qwen3 / Llama, Qwen3-MoE and "
                 f"Qwen3.5 (dense and MoE) targets, not {cls.__name__}")
         target = cls.load(model_dir, device=device, dtype=dtype, quantize=quantize, keep_head=keep_head)
+    target.kv_dtype = kv_dtype
     target.tokenizer = tok
     # ids >= the tokenizer's size are padding (§2.1); the decode loop masks them to -inf
     target.valid_vocab = min(tok.vocab_size, target.config.vocab_size)

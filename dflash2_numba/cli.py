@@ -140,12 +140,17 @@ def _read_prompt(prompt, prompt_file, prompt_ids):
 
 
 def _quantize_option(f):
+    """--quantize (the weight format) and --kv-dtype (the KV cache's): how the model is held."""
+    f = click.option("--kv-dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+                     help="KV cache element type (target and draft): bf16 halves the bytes attention reads at long "
+                          "context; its logits differ from f32's by the rounding of K and V (docs/long_context.md). "
+                          "CPU only.")(f)
     return click.option("--quantize", type=click.Choice(["bf16", "q8_0", "q4_0", "q4_k"]), default="bf16", show_default=True,
                         help="Weight format: bf16 = as stored; q8_0 / q4_0 / q4_k = llama.cpp's blocks, quantized at load "
                              "(target and draft, lm_head included).")(f)
 
 
-def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False, quantize=None):
+def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False, quantize=None, kv_dtype="f32"):
     from . import api
     from .default import default_pair
     from .kernels.backend import default_threads, set_threads
@@ -156,7 +161,7 @@ def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False, quant
         draft_dir = draft_dir or default_draft
     if need_draft and draft_dir is None:
         raise GenerationArgumentError("this command needs a draft: pass --draft DIR")
-    target = api.load_target(target_dir, device=device, dtype=dtype, quantize=quantize)
+    target = api.load_target(target_dir, device=device, dtype=dtype, quantize=quantize, kv_dtype=kv_dtype)
     draft = api.load_draft(draft_dir, target) if draft_dir is not None else None
     if threads is None:  # the default: the physical cores, one thread for a small model
         set_threads(default_threads(target.checkpoint.parameter_count()))
@@ -256,7 +261,7 @@ class _Reply:
 @_quantize_option
 def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
               reasoning_effort, block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
-              draft_window, json_dest, reasoning, quantize):
+              draft_window, json_dest, reasoning, quantize, kv_dtype):
     """Generate text; stream it to stdout, statistics to stderr."""
     from .decode.loop import generate as run_generate, resolve_prompt_ids, stream_generate
     from .decode.stats import peak_rss_mb
@@ -266,7 +271,8 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
         SamplingParams(temperature, top_k, top_p, seed)  # refused before the (slow) model load
         block_size = parse_block_size(block_size)  # "auto" | int >= 2; 2..B once the draft is known
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
-        target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads, quantize=quantize)
+        target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads, quantize=quantize,
+                                                     kv_dtype=kv_dtype)
         ids = resolve_prompt_ids(target, prompt, ids, chat, **_template_kwargs(target, chat, think, reasoning_effort))
         kwargs = dict(max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids,
@@ -326,7 +332,7 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
 @click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the scores to PATH or stdout ('-').")
 @_quantize_option
 def score(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
-          reasoning_effort, continuation, top_n, json_dest, quantize):
+          reasoning_effort, continuation, top_n, json_dest, quantize, kv_dtype):
     """The target's log-probability of each prompt token (what the server's echo + logprobs report)."""
     from .decode.logprobs import MAX_TOP_LOGPROBS
     from .decode.loop import resolve_prompt_ids
@@ -336,7 +342,7 @@ def score(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, pr
         if not 0 <= top_n <= MAX_TOP_LOGPROBS:
             raise GenerationArgumentError(f"--top must be in 0..{MAX_TOP_LOGPROBS}, got {top_n}")
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
-        _, _, target, _ = _load(target_dir, None, device, dtype, threads, quantize=quantize)
+        _, _, target, _ = _load(target_dir, None, device, dtype, threads, quantize=quantize, kv_dtype=kv_dtype)
         ids = resolve_prompt_ids(target, prompt, ids, chat, **_template_kwargs(target, chat, think, reasoning_effort))
         n_context = len(ids)
         if continuation is not None:
@@ -370,7 +376,7 @@ def score(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, pr
 @click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the proposal object to PATH or stdout ('-').")
 @_quantize_option
 def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
-            reasoning_effort, block_size, temperature, top_k, top_p, seed, json_dest, quantize):
+            reasoning_effort, block_size, temperature, top_k, top_p, seed, json_dest, quantize, kv_dtype):
     """One draft proposal round, stopping before verification."""
     from .decode.loop import propose_once, resolve_prompt_ids
 
@@ -378,7 +384,8 @@ def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, 
         SamplingParams(temperature, top_k, top_p, seed)
         block_size = parse_block_size(block_size)
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
-        _, _, target, draft = _load(target_dir, draft_dir, device, dtype, threads, need_draft=True, quantize=quantize)
+        _, _, target, draft = _load(target_dir, draft_dir, device, dtype, threads, need_draft=True, quantize=quantize,
+                                    kv_dtype=kv_dtype)
         ids = resolve_prompt_ids(target, prompt, ids, chat, **_template_kwargs(target, chat, think, reasoning_effort))
         res = propose_once(target, draft, prompt_ids=ids, block_size=block_size,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

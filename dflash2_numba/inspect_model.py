@@ -157,7 +157,8 @@ def format_inspect(report: dict) -> str:
     kv = report.get("kv_cache")
     if kv:
         at_max = f", {human_bytes(kv['bytes_at_max'])} at {kv['max_positions']:,} positions" if kv["bytes_at_max"] else ""
-        lines.append(f"  kv cache:   {human_bytes(kv['bytes_per_position'])} per position (f32 K and V){at_max}")
+        lines.append(f"  kv cache:   {human_bytes(kv['bytes_per_position'])} per position (f32 K and V){at_max}; "
+                     f"half that with --kv-dtype bf16")
     ignored = report.get("ignored_tensors") or {}
     if ignored:
         reasons = {}

@@ -7,6 +7,8 @@ call njit functions as device functions) share ONE definition of the rounding.
     bf16_to_f32(u16)  -> float32       exact (bf16 is the top half of an f32)
     f32_to_bf16(f32)  -> uint16        round-to-nearest-even, NaN stays NaN (quiet)
     round_bf16(f32)   -> float32       rnd(x) of the spec: f32 -> bf16 -> f32
+    kv_f32(x)         -> float32       an element of a KV cache of either dtype (f32, or bf16 bits)
+    kv_store(buf, x)  -> buf's dtype   an f32 value as an element of `buf` (bf16: rounded)
 
 Vectorised numpy versions (`*_array`) serve the numpy reference paths and the loaders.
 """
@@ -14,7 +16,7 @@ Vectorised numpy versions (`*_array`) serve the numpy reference paths and the lo
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 # Run modes: "f32" computes in float32 from bf16 weights (default); "bf16" rounds
 # activations to bf16 at every op boundary, as eager PyTorch does.
@@ -75,6 +77,52 @@ def f32_to_bf16(x):
 def round_bf16(x):
     """rnd(x): float32 rounded to the nearest bf16 value, returned as float32."""
     return bf16_to_f32(f32_to_bf16(x))
+
+
+# ------------------------------------------------------------------ KV cache elements
+# `--kv-dtype bf16` stores the KV cache as uint16 bf16 bits (half the bytes that attention reads
+# at long context); "f32" (the default) as float32. The kernels read and write cache elements only
+# through these two, so one kernel source serves both (numba compiles one variant per dtype).
+KV_DTYPES = {"f32": np.float32, "bf16": np.uint16}
+
+
+def kv_f32(x):
+    """A KV cache element as float32 (pure-Python twin of the overload below)."""
+    return bf16_to_f32_array(np.asarray(x)) if np.asarray(x).dtype == np.uint16 else np.float32(x)
+
+
+@overload(kv_f32, inline="always")
+def _kv_f32_impl(x):
+    if isinstance(x, types.Integer) and x.bitwidth == 16:  # bf16 bits
+        def widen(x):
+            return bf16_to_f32(x)
+        return widen
+
+    def as_is(x):
+        return np.float32(x)
+    return as_is
+
+
+def kv_store(buf, x):
+    """f32 x as an element of cache array `buf` (pure-Python twin of the overload below)."""
+    return f32_to_bf16_array(np.asarray(x)) if buf.dtype == np.uint16 else np.float32(x)
+
+
+@overload(kv_store, inline="always")
+def _kv_store_impl(buf, x):
+    if isinstance(buf.dtype, types.Integer) and buf.dtype.bitwidth == 16:  # bf16 bits, rounded to nearest even
+        def narrow(buf, x):
+            return f32_to_bf16(x)
+        return narrow
+
+    def as_is(buf, x):
+        return np.float32(x)
+    return as_is
+
+
+def kv_array(x: np.ndarray, dtype) -> np.ndarray:
+    """f32 rows -> what a cache of `dtype` (np.float32 / np.uint16) stores."""
+    return f32_to_bf16_array(x) if np.dtype(dtype) == np.uint16 else np.asarray(x, np.float32)
 
 
 # ------------------------------------------------------------------ numpy array versions

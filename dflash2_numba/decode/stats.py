@@ -37,6 +37,7 @@ class DecodeStats:
     drafted_steps: int = 0  # steps that ran the draft (auto may choose plain target steps)
     draft_window: int = 0  # the draft attends to the last N context positions (0 = all of them)
     kv_cache_bytes: int = 0  # target KV cache bytes held at the run's context (prompt + new tokens)
+    kv_dtype: str = "f32"  # the KV cache's element type ("f32" | "bf16": --kv-dtype)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -129,7 +130,8 @@ class DecodeStats:
             lines.append(f"compile  {self.compile_s:.1f}s first-run kernel compilation (not in the times above)")
         if self.kv_cache_bytes:
             lines.append(f"kv cache {self.kv_cache_bytes / 2**20:.1f} MiB at {self.prompt_tokens + self.new_tokens} "
-                         f"positions" + (f"; draft window {self.draft_window}" if self.draft_window else ""))
+                         f"positions ({self.kv_dtype} K and V)"
+                         + (f"; draft window {self.draft_window}" if self.draft_window else ""))
         if self.peak_rss_mb is not None:
             lines.append(f"memory   {self.peak_rss_mb:.0f} MB peak resident (weights, caches, kernels)")
         if self.baseline_tokens_per_s is not None:

@@ -307,6 +307,7 @@ class Decoding:
         kv = getattr(self.cache, "kv", self.cache)  # a hybrid target's attention layers hold a KVCache
         if hasattr(kv, "bytes_at"):
             self.stats.kv_cache_bytes = kv.bytes_at(len(self.ids))
+            self.stats.kv_dtype = "bf16" if kv.dtype == np.uint16 else "f32"
         text = ""
         if self.decoder is not None:
             text = self.decoder.feed(new) + (self.decoder.flush() if reason else "")

@@ -233,7 +233,8 @@ def _identity(target, draft, B: int, threads: int, rows: int) -> dict | None:
             "files": [files(tdir), files(ddir)],
             "target_format": str(getattr(target.ops, "quantize", None)),
             "draft_format": str(getattr(getattr(draft, "ops", None), "quantize", None)),
-            "dtype": str(getattr(target, "dtype", None)), "device": str(getattr(target.ops, "device", None)),
+            "dtype": str(getattr(target, "dtype", None)), "kv_dtype": str(getattr(target, "kv_dtype", "f32")),
+            "device": str(getattr(target.ops, "device", None)),
             "threads": int(threads), "B": int(B), "rows": int(rows), "isa": info["isa"], "cpu": info["cpu_name"],
             "version": __version__, "sweep": SWEEP_RECIPE}
 

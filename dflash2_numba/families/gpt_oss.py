@@ -240,8 +240,7 @@ class GptOssModel(TargetModel):
         for sp in spans:
             cache, start, rows = sp.cache, sp.start, sp.rows
             end = start + (rows.stop - rows.start)
-            cache.k[i, :, start:end] = k[rows].transpose(1, 0, 2)  # [nkv, n_r, hd]
-            cache.v[i, :, start:end] = v[rows].transpose(1, 0, 2)
+            cache.write(i, start, k[rows], v[rows])  # [nkv, n_r, hd] at start..end-1
             o[rows] = attention(q[rows], cache.k[i], cache.v[i], sp.q_pos, sp.k_pos, True, self.layer_windows[i],
                                 False, sinks=layer["sinks"])
         h = h + proj(o.reshape(n, nh * hd), "o")  # [n, H]

@@ -408,8 +408,7 @@ class MuseGlimmerTarget(TargetModel):
             k = ops.apply_rope(k, cos, sin, bf16)
 
         end = start + n
-        cache.k[i, :, start:end] = k.transpose(1, 0, 2)  # [nkv, n, hd]
-        cache.v[i, :, start:end] = v.transpose(1, 0, 2)
+        cache.write(i, start, k, v)  # [nkv, n, hd] at start..end-1
         # causal=True with window W: key s visible from query t iff t-W < s <= t (sliding layers)
         o = ops.attention(q, cache.k[i], cache.v[i], q_pos, k_pos, True, layer["window"], bf16)  # [n, nh, hd]
         o = rnd_if(o, bf16).reshape(n, nh * hd)  # [n, nh*hd] head-major

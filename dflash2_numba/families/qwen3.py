@@ -40,7 +40,7 @@ from ..kernels import fused
 from ..kernels.backend import Ops, get_ops
 from ..models.base import KVCache, LoadProgress, Span, forward_ids
 from ..models.layers import RopeTables, embedding, mlp, rnd_if
-from ..numerics import DTYPE_MODES, as_f32
+from ..numerics import DTYPE_MODES, KV_DTYPES, as_f32
 
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 
@@ -195,6 +195,8 @@ class TargetModel:
     `target.valid_vocab = len(tokenizer)` and calls `target.mask_padded(logits)` (also for
     draft logits computed with `target.lm_head`) so that padded ids are never emitted."""
 
+    kv_dtype = "f32"  # the KV cache's element type, "f32" | "bf16" (numerics.KV_DTYPES); api.load_target sets it
+
     def __init__(self, config: TargetConfig, checkpoint: Checkpoint, ops: Ops, dtype: str = "f32"):
         if dtype not in DTYPE_MODES:
             raise GenerationArgumentError(f"dtype {dtype!r}; expected one of: {', '.join(DTYPE_MODES)}")
@@ -284,7 +286,7 @@ class TargetModel:
     def new_cache(self, max_len: int = 256) -> KVCache:
         c = self.config
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len,
-                       zeros=getattr(self.ops, "zeros", np.zeros))
+                       zeros=getattr(self.ops, "zeros", np.zeros), dtype=KV_DTYPES[self.kv_dtype])
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids [n] -> [n, H] f32 (bf16 embeddings are exact in f32)."""
@@ -378,8 +380,7 @@ class TargetModel:
         for sp in spans:
             cache, start, rows = sp.cache, sp.start, sp.rows
             end = start + (rows.stop - rows.start)
-            cache.k[i, :, start:end] = k[rows].transpose(1, 0, 2)  # [nkv, n_r, hd]
-            cache.v[i, :, start:end] = v[rows].transpose(1, 0, 2)
+            cache.write(i, start, k[rows], v[rows])  # [nkv, n_r, hd] at start..end-1
             # keys = rows 0..end-1 (= k_pos) of the layer's whole [nkv, max_len, hd] buffer
             o_r = self.ops.attention(q[rows], cache.k[i], cache.v[i], sp.q_pos, sp.k_pos, True,
                                      self.layer_windows[i], bf16)  # [n_r, nh, hd]

@@ -44,7 +44,7 @@ from ..kernels.backend import Ops, get_ops
 from ..models.base import LoadProgress, forward_ids
 from ..models.hybrid_cache import HybridCache
 from ..models.layers import RopeTables, embedding, mlp, rnd_if, silu
-from ..numerics import DTYPE_MODES, as_f32, round_bf16_array
+from ..numerics import DTYPE_MODES, KV_DTYPES, as_f32, round_bf16_array
 
 MULTIMODAL, TEXT = "qwen3_5", "qwen3_5_text"
 ARCHITECTURES = {MULTIMODAL: "Qwen3_5ForConditionalGeneration", TEXT: "Qwen3_5ForCausalLM"}
@@ -323,6 +323,8 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 class Qwen3_5Model:
     """Attributes as TargetModel: config (Qwen3_5Config), checkpoint, ops, dtype, valid_vocab."""
 
+    kv_dtype = "f32"  # the attention layers' KV cache element type, as TargetModel.kv_dtype
+
     def __init__(self, config: Qwen3_5Config, checkpoint: Checkpoint, ops: Ops, dtype: str = "f32"):
         if dtype not in DTYPE_MODES:
             raise GenerationArgumentError(f"dtype {dtype!r}; expected one of: {', '.join(DTYPE_MODES)}")
@@ -379,7 +381,7 @@ class Qwen3_5Model:
 
     # ------------------------------------------------------------------ pieces (also used by drafts)
     def new_cache(self, max_len: int = 256) -> HybridCache:
-        return HybridCache(self.config, self.ops, max_len)
+        return HybridCache(self.config, self.ops, max_len, KV_DTYPES[self.kv_dtype])
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids [n] -> [n, H] f32."""
@@ -446,8 +448,7 @@ class Qwen3_5Model:
         k = np.concatenate([ops.apply_rope(np.ascontiguousarray(k[..., :rd]), cos, sin, bf16), k[..., rd:]], -1)
 
         slot, end = cache.attention_slot[i], start + n
-        cache.kv.k[slot, :, start:end] = k.transpose(1, 0, 2)  # [nkv, n, hd]
-        cache.kv.v[slot, :, start:end] = v.transpose(1, 0, 2)
+        cache.kv.write(slot, start, k, v)  # [nkv, n, hd] at start..end-1
         q_pos = np.arange(start, end, dtype=np.int64)  # [n]
         k_pos = np.arange(end, dtype=np.int64)  # [T]
         o = rnd_if(ops.attention(q, cache.kv.k[slot], cache.kv.v[slot], q_pos, k_pos, True, 0, bf16), bf16)

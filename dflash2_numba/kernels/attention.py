@@ -4,7 +4,8 @@
               q_pos [nq] int64, k_pos [T] int64, causal: bool, window: int,
               bf16_probs: bool = False, first: int = 0, sinks=None) -> [nq, nh, hd] f32
 
-The keys are rows 0..T-1 of k / v, T = len(k_pos); later rows are ignored. So a caller hands
+The keys are rows 0..T-1 of k / v, T = len(k_pos); later rows are ignored. k and v are f32, or
+both uint16 bf16 bits (a `--kv-dtype bf16` cache: the kernel widens each element as it reads it). So a caller hands
 over a whole cache buffer `cache.k[layer]` ([nkv, max_len, hd], C-contiguous: the layout the
 kernel vectorises) rather than a strided prefix slice of it.
 
@@ -41,7 +42,7 @@ import numpy as np
 from .linear import use_parallel  # same threading policy as the GEMV
 from numba import njit, prange
 
-from ..numerics import _u32_as_f32, round_bf16, round_bf16_array
+from ..numerics import _u32_as_f32, as_f32, kv_f32, round_bf16, round_bf16_array
 
 
 
@@ -78,7 +79,7 @@ def _check_first(first, T) -> int:
 
 def attention_reference(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, first=0, sinks=None):
     """Plain numpy (picoGPT style). Shapes as in the module docstring."""
-    q, k, v = (np.asarray(a, dtype=np.float32) for a in (q, k, v))
+    q, k, v = np.asarray(q, dtype=np.float32), as_f32(np.asarray(k)), as_f32(np.asarray(v))
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
     _check(q, k, v, q_pos, k_pos)
     k, v = k[:, : len(k_pos)], v[:, : len(k_pos)]  # [nkv, T, hd] the listed keys
@@ -218,7 +219,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
                         if bf16_probs:
                             w = round_bf16(w)
                         for j in range(hd):
-                            pacc[b, i, h, j] += w * v[kvh, t0 + t, j]
+                            pacc[b, i, h, j] += w * kv_f32(v[kvh, t0 + t, j])
 
 
 @njit(inline="always")
@@ -229,7 +230,7 @@ def _scores(q, i, h, k, kvh, t0, scale, s, lo, hi):
     for t in range(lo, hi):
         a = np.float32(0.0)
         for j in range(hd):
-            a += q[i, h, j] * k[kvh, t0 + t, j]
+            a += q[i, h, j] * kv_f32(k[kvh, t0 + t, j])
         s[t] = a * scale
 
 
@@ -311,8 +312,8 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     q = np.ascontiguousarray(q, dtype=np.float32)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
     k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
-    if k.dtype != np.float32 or v.dtype != np.float32:
-        k, v = k.astype(np.float32), v.astype(np.float32)
+    if k.dtype != v.dtype or k.dtype not in (np.float32, np.uint16):  # uint16: a bf16 cache (--kv-dtype bf16)
+        k, v = as_f32(np.asarray(k)), as_f32(np.asarray(v))
     _check(q, k, v, q_pos, k_pos)
     if out is None:
         out = np.empty(q.shape, dtype=np.float32)

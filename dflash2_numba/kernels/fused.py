@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-from ..numerics import bf16_to_f32, f32_to_bf16, round_bf16
+from ..numerics import bf16_to_f32, f32_to_bf16, kv_store, round_bf16
 from .attention import NO_SINKS, _attention_par, _attention_ser
 from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
 from .linear import GEMV_MAX_ROWS
@@ -200,13 +200,14 @@ def _attention(q, kbuf, vbuf, q_pos, k_pos, first, causal, window, par_min_macs,
 
 @njit(inline="always")
 def _write_kv(kbuf, vbuf, start, k, v):
-    """K/V of row i (k, v [n, nkv, hd]) at position start+i of kbuf / vbuf [nkv, T, hd]."""
+    """K/V of row i (k, v [n, nkv, hd]) at position start+i of kbuf / vbuf [nkv, T, hd]
+    (f32, or bf16 bits rounded to nearest even: --kv-dtype bf16)."""
     n, nkv, hd = k.shape
     for i in range(n):
         for g in range(nkv):
             for j in range(hd):
-                kbuf[g, start + i, j] = k[i, g, j]
-                vbuf[g, start + i, j] = v[i, g, j]
+                kbuf[g, start + i, j] = kv_store(kbuf, k[i, g, j])
+                vbuf[g, start + i, j] = kv_store(vbuf, v[i, g, j])
 
 
 # ------------------------------------------------------------------ the layer

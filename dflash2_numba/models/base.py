@@ -11,10 +11,12 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import GenerationArgumentError
+from ..numerics import kv_array
 
 
 class KVCache:
-    """Per-layer keys/values of positions 0..length-1: k, v [L, nkv, max_len, hd] f32.
+    """Per-layer keys/values of positions 0..length-1: k, v [L, nkv, max_len, hd], f32 or
+    (dtype np.uint16, `--kv-dtype bf16`) bf16 bits: the kernels widen elements as they read them.
 
     Positions >= length are scratch: `forward` writes there, then bumps `length`; `commit(n)`
     just lowers `length` (rejected drafts are overwritten by the next forward). The buffer
@@ -24,11 +26,12 @@ class KVCache:
     DeviceBuffer) on CUDA, so the cache stays on the GPU across steps without a model fork."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int = 256,
-                 zeros=np.zeros):
+                 zeros=np.zeros, dtype=np.float32):
         shape = (num_layers, num_kv_heads, max(1, int(max_len)), head_dim)
         self.zeros = zeros
-        self.k = zeros(shape, dtype=np.float32)
-        self.v = zeros(shape, dtype=np.float32)
+        self.dtype = np.dtype(dtype)
+        self.k = zeros(shape, dtype=self.dtype)
+        self.v = zeros(shape, dtype=self.dtype)
         self.length = 0
 
     @property
@@ -43,9 +46,18 @@ class KVCache:
         new_len = max(need, 2 * self.max_len)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = self.zeros(old.shape[:2] + (new_len,) + old.shape[3:], dtype=np.float32)
+            new = self.zeros(old.shape[:2] + (new_len,) + old.shape[3:], dtype=self.dtype)
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """K/V rows k, v [n, nkv, hd] f32 at positions start..start+n-1 of `layer` (rounded to
+        bf16 in a bf16 cache, as the fused kernels' writes are)."""
+        end = start + k.shape[0]
+        if self.dtype == np.uint16:
+            k, v = kv_array(k, self.dtype), kv_array(v, self.dtype)
+        self.k[layer, :, start:end] = k.transpose(1, 0, 2)  # [nkv, n, hd]
+        self.v[layer, :, start:end] = v.transpose(1, 0, 2)
 
     def bytes_at(self, positions: int) -> int:
         """Bytes of K and V that `positions` cached positions take (every layer, both tensors)."""

@@ -36,7 +36,7 @@ from ..decode.drafter import LazyInfo, Proposal, valid_vocab
 from ..decode.sampling import SamplingParams, mask_padded, sample_token, target_probs
 from ..errors import GenerationArgumentError
 from ..kernels import fused
-from ..numerics import as_f32
+from ..numerics import KV_DTYPES, as_f32
 from .layers import RopeTables, in_row_chunks, mlp, rnd_if
 from .selector import _top_k_rows
 from .base import KVCache
@@ -103,7 +103,7 @@ class DFlashDraft:
         """Context K/V of positions 0..length-1 per draft layer, with room for a block past them."""
         c = self.config
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len + c.block_size,
-                       zeros=getattr(self.ops, "zeros", np.zeros))
+                       zeros=getattr(self.ops, "zeros", np.zeros), dtype=KV_DTYPES[self.target.kv_dtype])
 
     def extend_context(self, state: KVCache, taps, start_pos: int, token_ids) -> None:
         """Append context K/V of committed tokens start_pos..start_pos+n-1 from their target taps
@@ -165,8 +165,7 @@ class DFlashDraft:
             k = ops.apply_rope(ops.rms_norm(k, L["k_norm"], eps, bf16), cos, sin, bf16)
             v = self._proj(L, "v", ctx, linear).reshape(N, nkv, hd)  # [N, nkv, hd]
             for (state, _, s, n), r0 in zip(items, bounds):
-                state.k[i, :, s:s + n] = k[r0:r0 + n].transpose(1, 0, 2)  # [nkv, n, hd]
-                state.v[i, :, s:s + n] = v[r0:r0 + n].transpose(1, 0, 2)
+                state.write(i, s, k[r0:r0 + n], v[r0:r0 + n])  # [nkv, n, hd] at s..s+n-1
         for state, _, s, n in items:
             state.length = s + n
 
@@ -237,8 +236,7 @@ class DFlashDraft:
             for r, st in enumerate(states):
                 blk, p, Q = slice(bounds[r], bounds[r + 1]), st.length, rows[r]
                 # block K/V written just past the context, length NOT bumped: nothing persists
-                st.k[i, :, p:p + Q] = k[blk].transpose(1, 0, 2)  # [nkv, Q, hd]
-                st.v[i, :, p:p + Q] = v[blk].transpose(1, 0, 2)
+                st.write(i, p, k[blk], v[blk])  # [nkv, Q, hd] at p..p+Q-1
                 o[blk] = self.ops.attention(q[blk], st.k[i], st.v[i], pos[blk], np.arange(p + Q), L["causal"],
                                             L["window"], bf16, first=first_key(st, p))  # keys: rows first..p+Q-1
             o = self._proj(L, "o", rnd_if(o, bf16).reshape(N, nh * hd), linear)  # [N, H]

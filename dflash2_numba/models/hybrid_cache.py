@@ -39,13 +39,14 @@ class HybridCache:
     """length: positions held. kv: KVCache of the attention layers (slot = attention_slot[i]).
     conv [n_gdn, K-1, C] f32; state / pre [n_gdn, Hv, dk, dv] f32 (device buffers on CUDA)."""
 
-    def __init__(self, config, ops, max_len: int = 256):
+    def __init__(self, config, ops, max_len: int = 256, kv_dtype=np.float32):
         c = config
         zeros = getattr(ops, "zeros", np.zeros)  # device-resident buffers on CUDA
         self.ops = ops
         self.attention_slot = {layer: j for j, layer in enumerate(c.attention_layers)}
         self.gdn_slot = {layer: j for j, layer in enumerate(c.gdn_layers)}
-        self.kv = KVCache(max(1, len(self.attention_slot)), c.num_key_value_heads, c.head_dim, max_len, zeros)
+        self.kv = KVCache(max(1, len(self.attention_slot)), c.num_key_value_heads, c.head_dim, max_len, zeros,
+                          kv_dtype)
         n_gdn, K = max(1, len(self.gdn_slot)), c.linear_conv_kernel_dim
         state_shape = (n_gdn, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         self.conv = np.zeros((n_gdn, K - 1, c.conv_dim), np.float32)  # [n_gdn, K-1, C] raw qkv rows
