@@ -91,7 +91,7 @@ def kv_f32(x):
     return bf16_to_f32_array(np.asarray(x)) if np.asarray(x).dtype == np.uint16 else np.float32(x)
 
 
-@overload(kv_f32, inline="always")
+@overload(kv_f32)  # not inline="always" (numba-IR inlining of an overload warns); LLVM inlines it
 def _kv_f32_impl(x):
     if isinstance(x, types.Integer) and x.bitwidth == 16:  # bf16 bits
         def widen(x):
@@ -108,7 +108,7 @@ def kv_store(buf, x):
     return f32_to_bf16_array(np.asarray(x)) if buf.dtype == np.uint16 else np.float32(x)
 
 
-@overload(kv_store, inline="always")
+@overload(kv_store)
 def _kv_store_impl(buf, x):
     if isinstance(buf.dtype, types.Integer) and buf.dtype.bitwidth == 16:  # bf16 bits, rounded to nearest even
         def narrow(buf, x):
