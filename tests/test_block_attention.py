@@ -83,7 +83,7 @@ def test_sinks_across_tiles(monkeypatch, driver, T):
         one = attention(q[i:i + 1], k, v, q_pos[i:i + 1], np.arange(q_pos[i] + 1), True, 0, sinks=sinks)
         assert np.array_equal(one[0], got[i])
 
-def row_invariance_failures(contexts=CONTEXTS, rows=(2, 4, 8, 16), windows=(0, 100, 300)) -> list:
+def row_invariance_failures(contexts=CONTEXTS, rows=(2, 4, 8, 16), windows=(0, 100, 300), hd=16) -> list:
     """Every (context, rows, window, driver) whose Q-row causal block differs in any bit from Q
     one-row steps, or whose parallel driver differs from the serial one. Also run as a script
     (the ISA subprocess test)."""
@@ -97,7 +97,7 @@ def row_invariance_failures(contexts=CONTEXTS, rows=(2, 4, 8, 16), windows=(0, 1
 
     for T in contexts:
         for Q in rows:
-            q, k, v = _case(T * 7 + Q, Q, 8, 2, 16, T)
+            q, k, v = _case(T * 7 + Q, Q, 8, 2, hd, T)
             q_pos = np.arange(T - Q, T)
             for window in windows:
                 block = {d: run(d, q, k, v, q_pos, T, window) for d in drivers}
@@ -114,6 +114,67 @@ def test_q_rows_equal_q_one_row_steps_bitwise():
     assert row_invariance_failures() == []
 
 
+# head sizes: 16, 64, 80 take the LLVM IR inner loops (attention_ir.py: 64 = one block of four
+# 16-column accumulators, 80 = a block and a one-vector remainder), 24 the numba loops
+@pytest.mark.parametrize("hd", [24, 64, 80])
+def test_head_sizes_equal_reference_and_rows_invariant(monkeypatch, hd):
+    for driver in ("serial", "parallel"):
+        _force(monkeypatch, driver)
+        for T in (TILE + 1, 3 * TILE + 3):
+            q, k, v = _case(T + hd, 8, 8, 2, hd, T)
+            q_pos, k_pos = np.arange(T - 8, T), np.arange(T)
+            for window in (0, 300):
+                got = attention(q, k, v, q_pos, k_pos, True, window)
+                want = attention_reference(q, k[:, :T], v[:, :T], q_pos, k_pos, True, window)
+                np.testing.assert_allclose(got, want, rtol=0, atol=3e-6)
+    # run mode "bf16" within one tile (across tiles each tile rounds exp(s - its own max), not the
+    # reference's exp(s - the global max)); a weight whose exp lands near a bf16 rounding boundary may
+    # still round the other way than np.exp's (one bf16 ulp, 2^-8 of that weight)
+    T = TILE - 40
+    q, k, v = _case(T - hd, 8, 8, 2, hd, T)
+    q_pos, k_pos = np.arange(T - 8, T), np.arange(T)
+    got = attention(q, k, v, q_pos, k_pos, True, 0, bf16_probs=True)
+    np.testing.assert_allclose(got, attention_reference(q, k[:, :T], v[:, :T], q_pos, k_pos, True, 0, bf16_probs=True),
+                               rtol=0, atol=2e-5)
+    assert not np.allclose(got, attention(q, k, v, q_pos, k_pos, True, 0), rtol=0, atol=1e-5)  # it does round
+    assert row_invariance_failures(contexts=(TILE + 1, 3 * TILE + 3), rows=(4, 8), windows=(0, 300), hd=hd) == []
+
+
+def ir_output_digest() -> str:
+    """sha256 of the bits of attention_ir's two loops (scores, weights times V) on fixed cases:
+    hd 16, 64, 80, f32 and bf16 caches, plain and bf16-rounded weights (also run as a script: the
+    cross-ISA test). The rest of the kernel (the weights' sum, vectorised by numba) may differ
+    between paths; these loops may not."""
+    import hashlib
+
+    from numba import njit
+
+    from dflash2_numba.kernels.attention_ir import pv_ir, scores_ir
+    from dflash2_numba.numerics import f32_to_bf16_array
+
+    @njit
+    def loops(q, k, v, s, vis, pacc, rnd):
+        n = k.shape[1]
+        for hh in range(q.shape[1]):
+            scores_ir(q, 0, hh, k, 0, 0, np.float32(0.125), s, 0, hh, 3, n - 5)
+            for c in range(3, n - 5):
+                s[0, hh, c] = np.float32(1.0) / (np.float32(1.0) + abs(s[0, hh, c]))  # weights in (0, 1]
+            pv_ir(s, 0, hh, vis, v, 0, 0, 3, 40, pacc, 0, 0, hh, rnd)  # two calls over consecutive ranges
+            pv_ir(s, 0, hh, vis, v, 0, 0, 40, n - 5, pacc, 0, 0, hh, rnd)
+
+    h = hashlib.sha256()
+    for hd in (16, 64, 80):
+        q, k, v = _case(hd, 1, 2, 1, hd, 100)
+        vis = (np.arange(108) % 7 != 3)[None, :]  # [1, 108] some keys unseen
+        for kk, vv in ((k, v), (f32_to_bf16_array(k), f32_to_bf16_array(v))):
+            for rnd in (False, True):
+                s = np.zeros((1, 2, 108), np.float32)
+                pacc = np.zeros((1, 1, 2, hd), np.float32)
+                loops(q, np.nan_to_num(kk), np.nan_to_num(vv), s, vis, pacc, rnd)
+                h.update(s.tobytes() + pacc.tobytes())
+    return h.hexdigest()
+
+
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_row_invariance_on_lower_isa_paths(isa):
     """The same check compiled for a lower instruction-set path (kernels/isa.py override)."""
@@ -125,3 +186,17 @@ def test_row_invariance_on_lower_isa_paths(isa):
     root = os.path.join(os.path.dirname(__file__), "..")
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_ir_path_gives_the_same_bits_on_every_isa(isa):
+    """The IR inner loops (llvm.fma, a fixed lane tree) give the native path's bits on a lower
+    instruction-set path too (and do compute something: the digest differs from zeros')."""
+    env = dict(os.environ, DFLASH2_ISA=isa)
+    code = ("import sys; sys.path.insert(0, 'tests'); from dflash2_numba.kernels import isa; "
+            f"assert isa.selected() == {isa!r}, isa.selected(); "
+            "from test_block_attention import ir_output_digest; print(ir_output_digest())")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == ir_output_digest()

@@ -39,6 +39,7 @@ Callers:
 """
 
 import numpy as np
+from . import attention_ir
 from .linear import use_parallel  # same threading policy as the GEMV
 from numba import njit, prange
 
@@ -186,12 +187,17 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
                 lo[i] = min(lo[i], t)
                 hi[i] = t + 1
     s = np.empty((nq, g, n), dtype=np.float32)  # [nq, g, n] scores, then weights
+    ir_path = hd % attention_ir.LANES == 0  # the LLVM IR inner loops (attention_ir.py); else numba's
     # 1. scores, K chunk by chunk (a chunk stays in L1 while every row and head reads it)
     for c0 in range(0, n, CHUNK):
         for i in range(nq):
             a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
             for hh in range(g):
-                _scores(q, i, kvh * g + hh, k, kvh, t0, scale, s[i, hh], a0, a1)
+                if ir_path:
+                    if a1 > a0:
+                        attention_ir.scores_ir(q, i, kvh * g + hh, k, kvh, t0, scale, s, i, hh, a0, a1)
+                else:
+                    _scores(q, i, kvh * g + hh, k, kvh, t0, scale, s[i, hh], a0, a1)
     # 2. per (row, head): max and exp(s - max)
     for i in range(nq):
         for hh in range(g):
@@ -207,8 +213,23 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
                     mx = s[i, hh, t]
             _exp_shifted(s[i, hh, lo[i]:hi[i]], hi[i] - lo[i], mx)
             pm[b, i, h] = mx
-    # 3. weights times V, chunk by chunk; each (row, head) sums its keys in key order
-    for c0 in range(0, n, CHUNK):
+    # 3. weights times V; each (row, head) sums its keys in key order
+    if ir_path:
+        for i in range(nq):
+            for hh in range(g):
+                l = np.float32(0.0)  # the unrounded weights' sum
+                for t in range(lo[i], hi[i]):
+                    if vis[i, t]:
+                        l += s[i, hh, t]
+                pl[b, i, kvh * g + hh] = l
+        for c0 in range(0, n, CHUNK):  # pacc (zero here) accumulates over the chunks, in key order  # a V chunk in L1 for every row and head
+            for i in range(nq):
+                a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
+                if a1 > a0:
+                    for hh in range(g):
+                        attention_ir.pv_ir(s, i, hh, vis, v, kvh, t0, a0, a1, pacc, b, i, kvh * g + hh, bf16_probs)
+        return
+    for c0 in range(0, n, CHUNK):  # numba: chunk by chunk, a V chunk in L1 for every row and head
         for i in range(nq):
             for hh in range(g):
                 h = kvh * g + hh
