@@ -153,10 +153,10 @@ def ir_output_digest() -> str:
     from dflash2_numba.numerics import f32_to_bf16_array
 
     @njit
-    def loops(q, k, v, s, vis, pacc, rnd):
+    def loops(q, k, v, s, vis, mx, pacc, rnd):
         n = k.shape[1]
         for hh in range(q.shape[1]):
-            scores_ir(q, 0, hh, k, 0, 0, np.float32(0.125), s, 0, hh, 3, n - 5)
+            scores_ir(q, 0, hh, k, 0, 0, np.float32(0.125), s, 0, hh, 3, n - 5, vis, mx)
             for c in range(3, n - 5):
                 s[0, hh, c] = np.float32(1.0) / (np.float32(1.0) + abs(s[0, hh, c]))  # weights in (0, 1]
             pv_ir(s, 0, hh, vis, v, 0, 0, 3, 40, pacc, 0, 0, hh, rnd)  # two calls over consecutive ranges
@@ -170,8 +170,9 @@ def ir_output_digest() -> str:
             for rnd in (False, True):
                 s = np.zeros((1, 2, 108), np.float32)
                 pacc = np.zeros((1, 1, 2, hd), np.float32)
-                loops(q, np.nan_to_num(kk), np.nan_to_num(vv), s, vis, pacc, rnd)
-                h.update(s.tobytes() + pacc.tobytes())
+                mx = np.full((1, 2), -np.inf, np.float32)
+                loops(q, np.nan_to_num(kk), np.nan_to_num(vv), s, vis, mx, pacc, rnd)
+                h.update(s.tobytes() + mx.tobytes() + pacc.tobytes())
     return h.hexdigest()
 
 

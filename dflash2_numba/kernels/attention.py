@@ -188,6 +188,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
                 hi[i] = t + 1
     s = np.empty((nq, g, n), dtype=np.float32)  # [nq, g, n] scores, then weights
     ir_path = hd % attention_ir.LANES == 0  # the LLVM IR inner loops (attention_ir.py); else numba's
+    smax = np.full((nq, g), -np.inf, dtype=np.float32)  # [nq, g] the max visible score (IR path)
     # 1. scores, K chunk by chunk (a chunk stays in L1 while every row and head reads it)
     for c0 in range(0, n, CHUNK):
         for i in range(nq):
@@ -195,7 +196,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
             for hh in range(g):
                 if ir_path:
                     if a1 > a0:
-                        attention_ir.scores_ir(q, i, kvh * g + hh, k, kvh, t0, scale, s, i, hh, a0, a1)
+                        attention_ir.scores_ir(q, i, kvh * g + hh, k, kvh, t0, scale, s, i, hh, a0, a1, vis, smax)
                 else:
                     _scores(q, i, kvh * g + hh, k, kvh, t0, scale, s[i, hh], a0, a1)
     # 2. per (row, head): max and exp(s - max)
@@ -204,13 +205,15 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
             h = kvh * g + hh
             pm[b, i, h] = np.float32(-np.inf)
             pl[b, i, h] = np.float32(0.0)
-            pacc[b, i, h, :] = np.float32(0.0)
+            for j in range(hd):
+                pacc[b, i, h, j] = np.float32(0.0)
             if hi[i] == 0:
                 continue
-            mx = np.float32(-np.inf)
-            for t in range(lo[i], hi[i]):
-                if vis[i, t] and s[i, hh, t] > mx:
-                    mx = s[i, hh, t]
+            mx = smax[i, hh]
+            if not ir_path:
+                for t in range(lo[i], hi[i]):
+                    if vis[i, t] and s[i, hh, t] > mx:
+                        mx = s[i, hh, t]
             _exp_shifted(s[i, hh, lo[i]:hi[i]], hi[i] - lo[i], mx)
             pm[b, i, h] = mx
     # 3. weights times V; each (row, head) sums its keys in key order
@@ -222,7 +225,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
                     if vis[i, t]:
                         l += s[i, hh, t]
                 pl[b, i, kvh * g + hh] = l
-        for c0 in range(0, n, CHUNK):  # pacc (zero here) accumulates over the chunks, in key order  # a V chunk in L1 for every row and head
+        for c0 in range(0, n, CHUNK):  # a V chunk in L1 for every row and head; pacc (zero) accumulates
             for i in range(nq):
                 a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
                 if a1 > a0:

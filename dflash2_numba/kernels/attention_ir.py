@@ -2,8 +2,9 @@
 fused multiply-adds where numba's loops give 8-lane multiplies and adds, a horizontal sum per
 key and a memory round trip of the accumulator per key (docs/long_context.md, section 4).
 
-    scores_ir(q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi)
+    scores_ir(q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi, vis, mx)
         s[si, sh, t] = (q[i, h] . k[kvh, t0 + t]) * scale          for t in [lo, hi)
+        mx[si, sh] = max(mx[si, sh], the s[si, sh, t] with vis[si, t])   (exact in any order)
     pv_ir(s, si, sh, vis, v, kvh, t0, lo, hi, pacc, b, i, h, bf16_probs)
         pacc[b, i, h, :] += sum over t in [lo, hi) with vis[si, t] of w_t * v[kvh, t0 + t, :]
         with w_t = s[si, sh, t], rounded to bf16 (nearest even) when bf16_probs
@@ -80,17 +81,23 @@ def _c3(a):
     return isinstance(a, types.Array) and a.ndim == 3 and a.layout == "C"
 
 
+def _c2(a):
+    return isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C"
+
+
 @intrinsic
-def scores_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi):
+def scores_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi, vis, mx):
     if not (_c3(q) and _c3(k) and _c3(s) and q.dtype == types.float32 and s.dtype == types.float32
-            and k.dtype in (types.float32, types.uint16)):
+            and k.dtype in (types.float32, types.uint16) and _c2(vis) and vis.dtype == types.boolean
+            and _c2(mx) and mx.dtype == types.float32):
         return None
     is_bf16 = k.dtype == types.uint16
     sig = types.void(q, types.intp, types.intp, k, types.intp, types.intp, types.float32, s, types.intp,
-                     types.intp, types.intp, types.intp)
+                     types.intp, types.intp, types.intp, vis, mx)
 
     def codegen(context, builder, signature, args):
-        qa, ka, sa = (context.make_array(signature.args[j])(context, builder, args[j]) for j in (0, 3, 7))
+        qa, ka, sa, visa, mxa = (context.make_array(signature.args[j])(context, builder, args[j])
+                                 for j in (0, 3, 7, 12, 13))
         i_, h_, kvh_, t0_, scale_, si_, sh_, lo_, hi_ = (args[j] for j in (1, 2, 4, 5, 6, 8, 9, 10, 11))
         intp = context.get_value_type(types.intp)
         zero = ir.Constant(intp, 0)
@@ -98,9 +105,19 @@ def scores_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi):
         nchunks = builder.sdiv(hd, ir.Constant(intp, LANES))
         qp = _f32_ptr(builder, cgutils.get_item_pointer(context, builder, signature.args[0], qa, [i_, h_, zero]))
         sp = _f32_ptr(builder, cgutils.get_item_pointer(context, builder, signature.args[7], sa, [si_, sh_, zero]))
+        visp = cgutils.get_item_pointer(context, builder, signature.args[12], visa, [si_, zero])
+        mxp = cgutils.get_item_pointer(context, builder, signature.args[13], mxa, [si_, sh_])
         fma = _fma(builder)
         vf = ir.VectorType(ir.FloatType(), LANES)
         slots = [cgutils.alloca_once(builder, vf) for _ in range(KEYS)]
+        m_slot = cgutils.alloca_once(builder, ir.FloatType())
+        builder.store(builder.load(mxp), m_slot)
+
+        def visible_max(t, x):
+            """m = max(m, x) when key t is visible (a select: no branch)."""
+            seen = builder.icmp_unsigned("!=", builder.load(builder.gep(visp, [t])), ir.Constant(visp.type.pointee, 0))
+            m = builder.load(m_slot)
+            builder.store(builder.select(builder.and_(seen, builder.fcmp_ordered(">", x, m)), x, m), m_slot)
 
         def keys(t, m):
             """Scores of keys t .. t + m - 1: m independent FMA chains (each key's arithmetic is the
@@ -117,8 +134,10 @@ def scores_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi):
                     kv = _load_f32x16(builder, builder.gep(kp, [off]), is_bf16)
                     builder.store(builder.call(fma, [qv, kv, builder.load(slot)]), slot)
             for r, slot in enumerate(slots[:m]):
-                dot = _hsum(builder, builder.load(slot))
-                builder.store(builder.fmul(dot, scale_), builder.gep(sp, [builder.add(t, ir.Constant(intp, r))]))
+                x = builder.fmul(_hsum(builder, builder.load(slot)), scale_)
+                tr = builder.add(t, ir.Constant(intp, r))
+                builder.store(x, builder.gep(sp, [tr]))
+                visible_max(tr, x)
 
         n = builder.sub(hi_, lo_)
         groups = builder.sdiv(n, ir.Constant(intp, KEYS))
@@ -126,6 +145,7 @@ def scores_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi):
             keys(builder.add(lo_, builder.mul(g.index, ir.Constant(intp, KEYS))), KEYS)
         with cgutils.for_range(builder, builder.sub(n, builder.mul(groups, ir.Constant(intp, KEYS)))) as r:
             keys(builder.add(lo_, builder.add(builder.mul(groups, ir.Constant(intp, KEYS)), r.index)), 1)
+        builder.store(builder.load(m_slot), mxp)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -133,8 +153,7 @@ def scores_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi):
 
 @intrinsic
 def pv_ir(typingctx, s, si, sh, vis, v, kvh, t0, lo, hi, pacc, b, i, h, bf16_probs):
-    if not (_c3(s) and _c3(v) and isinstance(vis, types.Array) and vis.ndim == 2
-            and vis.layout == "C" and isinstance(pacc, types.Array) and pacc.ndim == 4 and pacc.layout == "C"
+    if not (_c3(s) and _c3(v) and _c2(vis) and isinstance(pacc, types.Array) and pacc.ndim == 4 and pacc.layout == "C"
             and s.dtype == types.float32 and pacc.dtype == types.float32
             and vis.dtype == types.boolean and v.dtype in (types.float32, types.uint16)):
         return None
@@ -154,7 +173,7 @@ def pv_ir(typingctx, s, si, sh, vis, v, kvh, t0, lo, hi, pacc, b, i, h, bf16_pro
         op = _f32_ptr(builder, cgutils.get_item_pointer(context, builder, signature.args[9], pa, [b_, i_, h_, zero]))
         fma = _fma(builder)
         vf = ir.VectorType(ir.FloatType(), LANES)
-        slots = [cgutils.alloca_once(builder, vf) for _ in range(BLOCK)]
+        slots = [cgutils.alloca_once(builder, vf) for _ in range(2 * BLOCK)]  # two chains
 
         def weight(t):
             """s[si, sh, t], rounded to bf16 (nearest even; weights are in [0, 1], never NaN) when round_."""
@@ -166,31 +185,45 @@ def pv_ir(typingctx, s, si, sh, vis, v, kvh, t0, lo, hi, pacc, b, i, h, bf16_pro
             return builder.select(round_, builder.bitcast(rounded, ir.FloatType()), w)
 
         def columns(c0, nvec):
-            """Columns c0 .. c0 + 16 nvec - 1: nvec accumulators held across the keys."""
-            for j, slot in enumerate(slots[:nvec]):  # the running sums of earlier calls
-                src = builder.gep(op, [builder.add(c0, ir.Constant(intp, j * LANES))])
-                builder.store(builder.load(builder.bitcast(src, vf.as_pointer()), align=4), slot)
-            with cgutils.for_range(builder, builder.sub(hi_, lo_)) as loop:
-                t = builder.add(lo_, loop.index)
+            """Columns c0 .. c0 + 16 nvec - 1: the keys in two interleaved chains (even and odd
+            offsets from lo), nvec accumulators each, held in registers; then even + odd is added
+            to the running sums of earlier calls."""
+            even, odd = slots[:nvec], slots[BLOCK:BLOCK + nvec]
+            for slot in even + odd:
+                builder.store(ir.Constant(vf, None), slot)
+            n = builder.sub(hi_, lo_)
+
+            def key(t, chain):
                 seen = builder.icmp_unsigned("!=", builder.load(builder.gep(visp, [t])), ir.Constant(visp.type.pointee, 0))
                 with builder.if_then(seen, likely=True):
                     w = _splat(builder, weight(t))
                     vp = cgutils.get_item_pointer(context, builder, signature.args[4], va,
                                                   [kvh_, builder.add(t0_, t), c0])
-                    for j, slot in enumerate(slots[:nvec]):
+                    for j, slot in enumerate(chain):
                         vv = _load_f32x16(builder, builder.gep(vp, [ir.Constant(intp, j * LANES)]), is_bf16)
                         builder.store(builder.call(fma, [w, vv, builder.load(slot)]), slot)
-            for j, slot in enumerate(slots[:nvec]):
-                dst = builder.gep(op, [builder.add(c0, ir.Constant(intp, j * LANES))])
-                builder.store(builder.load(slot), builder.bitcast(dst, vf.as_pointer()), align=4)
+
+            pairs = builder.sdiv(n, ir.Constant(intp, 2))
+            with cgutils.for_range(builder, pairs) as loop:
+                t = builder.add(lo_, builder.mul(loop.index, ir.Constant(intp, 2)))
+                key(t, even)
+                key(builder.add(t, ir.Constant(intp, 1)), odd)
+            with builder.if_then(builder.icmp_signed("!=", builder.mul(pairs, ir.Constant(intp, 2)), n)):
+                key(builder.sub(hi_, ir.Constant(intp, 1)), even)
+            for j in range(nvec):
+                dst = builder.bitcast(builder.gep(op, [builder.add(c0, ir.Constant(intp, j * LANES))]), vf.as_pointer())
+                part = builder.fadd(builder.load(even[j]), builder.load(odd[j]))
+                builder.store(builder.fadd(builder.load(dst, align=4), part), dst, align=4)
 
         width = ir.Constant(intp, BLOCK * LANES)
         nblocks = builder.sdiv(hd, width)
         with cgutils.for_range(builder, nblocks) as blk:
             columns(builder.mul(blk.index, width), BLOCK)
         c = builder.mul(nblocks, width)
-        with cgutils.for_range(builder, builder.sdiv(builder.sub(hd, c), ir.Constant(intp, LANES))) as rest:
-            columns(builder.add(c, builder.mul(rest.index, ir.Constant(intp, LANES))), 1)
+        rest = builder.sdiv(builder.sub(hd, c), ir.Constant(intp, LANES))  # 0..BLOCK-1 vectors left
+        for nvec in range(1, BLOCK):
+            with builder.if_then(builder.icmp_signed("==", rest, ir.Constant(intp, nvec))):
+                columns(c, nvec)
         return context.get_dummy_value()
 
     return sig, codegen
