@@ -207,7 +207,8 @@ def main(argv=None):
         print(f"  {Q:>4}  {tq * 1e3:8.2f}  {cost[Q]:8.2f}  {Q / cost[Q]:14.2f}")
     if args.out is not None:
         record(args.out, {"quantize": args.quantize, "kv_dtype": args.kv_dtype, "isa": isa.describe(),
-                          "cpu": cpu_model(), "threads": numba.get_num_threads(), "context": args.context, "one_row_ms": t1 * 1e3,
+                          "cpu": cpu_model(), "threads": numba.get_num_threads(), "context": args.context,
+                          "one_row_ms": t1 * 1e3,
                           "cost_x_one_row": {str(q): c for q, c in cost.items()}})
     if args.verify_only:
         return

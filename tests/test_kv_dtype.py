@@ -92,7 +92,8 @@ def test_fused_and_op_by_op_writes_round_alike(tmp_path):
     f32.forward(ids, f32_cache)
     np.testing.assert_array_equal(fused_cache.k[0, :, :n], kv_array(f32_cache.k[0, :, :n], np.uint16))
     np.testing.assert_array_equal(fused_cache.v[0, :, :n], kv_array(f32_cache.v[0, :, :n], np.uint16))
-    assert not np.array_equal(fused_cache.k[0, :, :n], (f32_cache.k[0, :, :n].view(np.uint32) >> 16).astype(np.uint16)), \
+    truncated = (f32_cache.k[0, :, :n].view(np.uint32) >> 16).astype(np.uint16)
+    assert not np.array_equal(fused_cache.k[0, :, :n], truncated), \
         "rounding == truncation here: the check would not see a truncating writer"
 
 

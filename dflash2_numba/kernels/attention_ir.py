@@ -77,6 +77,11 @@ def _fma(builder):
                                           f"llvm.fma.v{LANES}f32")
 
 
+def _visible_at(builder, visp, t):
+    """i1: vis[t] != 0 (visp: the row's bool bytes)."""
+    return builder.icmp_unsigned("!=", builder.load(builder.gep(visp, [t])), ir.Constant(visp.type.pointee, 0))
+
+
 def _c3(a):
     return isinstance(a, types.Array) and a.ndim == 3 and a.layout == "C"
 
@@ -115,7 +120,7 @@ def scores_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi, vis, mx)
 
         def visible_max(t, x):
             """m = max(m, x) when key t is visible (a select: no branch)."""
-            seen = builder.icmp_unsigned("!=", builder.load(builder.gep(visp, [t])), ir.Constant(visp.type.pointee, 0))
+            seen = _visible_at(builder, visp, t)
             m = builder.load(m_slot)
             builder.store(builder.select(builder.and_(seen, builder.fcmp_ordered(">", x, m)), x, m), m_slot)
 
@@ -194,7 +199,7 @@ def pv_ir(typingctx, s, si, sh, vis, v, kvh, t0, lo, hi, pacc, b, i, h, bf16_pro
             n = builder.sub(hi_, lo_)
 
             def key(t, chain):
-                seen = builder.icmp_unsigned("!=", builder.load(builder.gep(visp, [t])), ir.Constant(visp.type.pointee, 0))
+                seen = _visible_at(builder, visp, t)
                 with builder.if_then(seen, likely=True):
                     w = _splat(builder, weight(t))
                     vp = cgutils.get_item_pointer(context, builder, signature.args[4], va,
