@@ -65,6 +65,21 @@ def test_non_causal_draft_block_across_tiles(monkeypatch, T):
 
 
 
+@pytest.mark.parametrize("hd", [16, 64])
+def test_keys_in_any_position_order(monkeypatch, hd):
+    """k_pos need not increase: with shuffled key positions a row's visible keys are scattered
+    inside [lo, hi) of a tile, and the unseen ones among them must weigh nothing."""
+    _force(monkeypatch, "parallel")
+    T = 2 * TILE + 37
+    q, k, v = _case(hd + T, 6, 4, 2, hd, T)
+    k_pos = np.random.default_rng(hd).permutation(T)  # [T] each key's position, shuffled
+    q_pos = np.arange(T - 6, T) - 200  # [6] rows that see about 90% of the keys
+    for causal, window in ((True, 0), (True, 500), (False, 300)):
+        got = attention(q, k, v, q_pos, k_pos, causal, window)
+        want = attention_reference(q, k[:, :T], v[:, :T], q_pos, k_pos, causal, window)
+        np.testing.assert_allclose(got, want, rtol=0, atol=3e-6)
+
+
 @pytest.mark.parametrize("driver", ["serial", "parallel"])
 @pytest.mark.parametrize("T", (TILE + 1, 3 * TILE + 3))
 def test_sinks_across_tiles(monkeypatch, driver, T):
@@ -141,38 +156,48 @@ def test_head_sizes_equal_reference_and_rows_invariant(monkeypatch, hd):
 
 
 def ir_output_digest() -> str:
-    """sha256 of the bits of attention_ir's two loops (scores, weights times V) on fixed cases:
-    hd 16, 64, 80, f32 and bf16 caches, plain and bf16-rounded weights (also run as a script: the
-    cross-ISA test). The rest of the kernel (the weights' sum, vectorised by numba) may differ
-    between paths; these loops may not."""
+    """sha256 of the bits of attention_ir's loops (the 16-key scores, the per-key scores at the end
+    of the buffer, the exp-and-weights-times-V pass) on fixed cases: hd 16, 64, 80, f32 and bf16
+    caches, plain and bf16-rounded weights, some keys unseen (also run as a script: the cross-ISA
+    test). The rest of the kernel (sums vectorised by numba) may differ between paths; these
+    loops may not."""
     import hashlib
 
     from numba import njit
 
-    from dflash2_numba.kernels.attention_ir import pv_ir, scores_ir
+    from dflash2_numba.kernels.attention_ir import pv_chunk_ir, scores16_ir, scores_ir
     from dflash2_numba.numerics import f32_to_bf16_array
 
     @njit
-    def loops(q, k, v, s, vis, mx, pacc, rnd):
-        n = k.shape[1]
+    def loops(q, k, v, s, vis, mx, lacc, pacc, rnd):
+        n, lo, hi = k.shape[1], 3, k.shape[1] - 5  # keys [lo, hi) of a 108-row buffer
         for hh in range(q.shape[1]):
-            scores_ir(q, 0, hh, k, 0, 0, np.float32(0.125), s, 0, hh, 3, n - 5, vis, mx)
-            for c in range(3, n - 5):
-                s[0, hh, c] = np.float32(1.0) / (np.float32(1.0) + abs(s[0, hh, c]))  # weights in (0, 1]
-            pv_ir(s, 0, hh, vis, v, 0, 0, 3, 40, pacc, 0, 0, hh, rnd)  # two calls over consecutive ranges
-            pv_ir(s, 0, hh, vis, v, 0, 0, 40, n - 5, pacc, 0, 0, hh, rnd)
+            for c0 in range(0, n, 16):
+                a0, a1 = max(c0, lo), min(c0 + 16, hi)
+                if a1 > a0 and c0 + 16 <= n:
+                    scores16_ir(q, 0, hh, k, 0, 0, np.float32(0.125), s, 0, hh, c0, a0, a1, vis, mx)
+                elif a1 > a0:  # the last chunk runs past the buffer: key by key
+                    scores_ir(q, 0, hh, k, 0, 0, np.float32(0.125), s, 0, hh, a0, a1, vis, mx)
+            m = np.float32(-np.inf)
+            for j in range(16):
+                m = max(m, mx[0, hh, j])
+            for c0 in range(0, n, 16):
+                a0, a1 = max(c0, lo), min(c0 + 16, hi)
+                if a1 > a0:
+                    pv_chunk_ir(s, 0, hh, vis, v, 0, 0, c0, a0, a1, m, lacc, pacc, 0, 0, hh, rnd)
 
     h = hashlib.sha256()
     for hd in (16, 64, 80):
-        q, k, v = _case(hd, 1, 2, 1, hd, 100)
-        vis = (np.arange(108) % 7 != 3)[None, :]  # [1, 108] some keys unseen
+        q, k, v = _case(hd, 1, 2, 1, hd, 100)  # k, v [1, 108, hd]
+        vis = (np.arange(112) % 7 != 3)[None, :]  # [1, 112] some keys unseen
         for kk, vv in ((k, v), (f32_to_bf16_array(k), f32_to_bf16_array(v))):
             for rnd in (False, True):
-                s = np.zeros((1, 2, 108), np.float32)
+                s = np.zeros((1, 2, 112), np.float32)
                 pacc = np.zeros((1, 1, 2, hd), np.float32)
-                mx = np.full((1, 2), -np.inf, np.float32)
-                loops(q, np.nan_to_num(kk), np.nan_to_num(vv), s, vis, mx, pacc, rnd)
-                h.update(s.tobytes() + mx.tobytes() + pacc.tobytes())
+                mx = np.full((1, 2, 16), -np.inf, np.float32)
+                lacc = np.zeros((1, 2, 16), np.float32)
+                loops(q, np.nan_to_num(kk), np.nan_to_num(vv), s, vis, mx, lacc, pacc, rnd)
+                h.update(s.tobytes() + mx.tobytes() + lacc.tobytes() + pacc.tobytes())
     return h.hexdigest()
 
 
@@ -201,3 +226,36 @@ def test_ir_path_gives_the_same_bits_on_every_isa(isa):
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == ir_output_digest()
+
+
+@pytest.mark.parametrize("hd", [16, 48, 64, 128])  # 64, 128: hd compiled as a constant; 16, 48: a loop
+def test_16_key_scores_have_the_bits_of_the_per_key_scores(hd):
+    """scores16_ir (a chunk's 16 lane trees as one transpose-and-add network) and scores_ir (key
+    by key, used where a chunk runs past the rows of k) give every key the same bits, and the
+    same maxima, so which of the two computes a key never shows (f32 and bf16 caches)."""
+    from numba import njit
+
+    from dflash2_numba.kernels.attention_ir import scores16_ir, scores_ir
+    from dflash2_numba.numerics import as_f32, f32_to_bf16_array
+
+    @njit
+    def both(q, k, vis, s16, s1, m16, m1):
+        n = k.shape[1]
+        for hh in range(q.shape[1]):
+            for c0 in range(0, n, 16):
+                scores16_ir(q, 0, hh, k, 0, 0, np.float32(0.1), s16, 0, hh, c0, 5, n - 3, vis, m16)
+            scores_ir(q, 0, hh, k, 0, 0, np.float32(0.1), s1, 0, hh, 5, n - 3, vis, m1)
+
+    q, k, _ = _case(hd, 1, 3, 1, hd, 88)  # k [1, 96, hd]
+    vis = (np.arange(96) % 5 != 2)[None, :]
+    k = np.nan_to_num(k)  # rows 88.. are NaN in _case
+    for kk in (k, f32_to_bf16_array(k)):
+        s16, s1 = np.zeros((1, 3, 96), np.float32), np.zeros((1, 3, 96), np.float32)
+        m16, m1 = np.full((1, 3, 16), -np.inf, np.float32), np.full((1, 3, 16), -np.inf, np.float32)
+        both(q, kk, vis, s16, s1, m16, m1)
+        assert np.array_equal(s16[:, :, 5:93].view(np.uint32), s1[:, :, 5:93].view(np.uint32))
+        assert np.array_equal(m16.max(axis=2), m1[:, :, 0])
+        want = (q[0] @ as_f32(kk)[0].T * np.float32(0.1))  # [3, 96] the scores, float32 matmul
+        np.testing.assert_allclose(s16[0, :, 5:93], want[:, 5:93], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(m16[0].max(axis=1), np.where(vis[0, 5:93], want[:, 5:93], -np.inf).max(axis=1),
+                                   rtol=0, atol=1e-5)  # the max over the visible keys of [5, 93) only

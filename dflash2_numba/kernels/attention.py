@@ -159,13 +159,13 @@ def _exp_scalar(x):
 
 @njit(inline="always")
 def _visible(qp, kp, causal, window):
-    d = qp - kp  # query position minus key position
-    return not ((causal and d < 0) or (window > 0 and (d > window - 1 or d < 1 - window)))
+    d = qp - kp  # query position minus key position (bitwise &, |: no branches)
+    return ~((causal & (d < 0)) | ((window > 0) & ((d > window - 1) | (d < 1 - window))))
 
 
 @njit(fastmath={"reassoc"}, nogil=True)  # its own flags: called, not inlined (see the drivers)
-def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item):
-    """Work item `item` = (tile b = item // nkv, KV head kvh = item % nkv): for every query i and
+def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, b, kvh):
+    """Work item (tile b, KV head kvh): for every query i and
     head h of kvh's group, the partial softmax over the tile's visible keys (rows first..T-1):
         pm[b, i, h] = max score (-inf: none visible), pl[b, i, h] = sum of the UNROUNDED weights,
         pacc[b, i, h] = sum of the weights (bf16-rounded in bf16_probs mode) times V rows.
@@ -173,33 +173,37 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
     nq, nh, hd = q.shape
     nkv = k.shape[0]
     g = nh // nkv
-    b, kvh = item // nkv, item % nkv
     t0 = b * TILE
     n = min(T, t0 + TILE) - t0  # keys in this tile
     scale = np.float32(1.0) / np.sqrt(np.float32(hd))
-    vis = np.empty((nq, n), dtype=np.bool_)  # [nq, n] may query i see key t0 + t
+    npad = (n + CHUNK - 1) // CHUNK * CHUNK  # whole chunks: the 16-key score kernel stores 16 lanes
+    vis = np.zeros((nq, npad), dtype=np.bool_)  # [nq, npad] may query i see key t0 + t
     lo = np.full(nq, n, dtype=np.int64)  # [nq] row i's visible keys of the tile lie in [lo, hi)
     hi = np.zeros(nq, dtype=np.int64)  # [nq] (hi = 0: none)
-    for i in range(nq):
+    for i in range(nq):  # branch-free, so the loop vectorises
+        a, z = n, 0
         for t in range(n):
-            vis[i, t] = t0 + t >= first and _visible(q_pos[i], k_pos[t0 + t], causal, window)
-            if vis[i, t]:
-                lo[i] = min(lo[i], t)
-                hi[i] = t + 1
-    s = np.empty((nq, g, n), dtype=np.float32)  # [nq, g, n] scores, then weights
+            seen = (t0 + t >= first) & _visible(q_pos[i], k_pos[t0 + t], causal, window)
+            vis[i, t] = seen
+            a = min(a, t if seen else n)
+            z = max(z, t + 1 if seen else 0)
+        lo[i], hi[i] = a, z
+    s = np.empty((nq, g, npad), dtype=np.float32)  # [nq, g, npad] scores, then weights
     ir_path = hd % attention_ir.LANES == 0  # the LLVM IR inner loops (attention_ir.py); else numba's
-    smax = np.full((nq, g), -np.inf, dtype=np.float32)  # [nq, g] the max visible score (IR path)
+    smax = np.full((nq, g, CHUNK), -np.inf, dtype=np.float32)  # [nq, g, 16] running max per lane (IR path)
     # 1. scores, K chunk by chunk (a chunk stays in L1 while every row and head reads it)
     for c0 in range(0, n, CHUNK):
         for i in range(nq):
             a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
             for hh in range(g):
                 if ir_path:
-                    if a1 > a0:
+                    if a1 > a0 and t0 + c0 + CHUNK <= k.shape[1]:  # 16 keys at once (the same bits per key)
+                        attention_ir.scores16_ir(q, i, kvh * g + hh, k, kvh, t0, scale, s, i, hh, c0, a0, a1, vis, smax)
+                    elif a1 > a0:
                         attention_ir.scores_ir(q, i, kvh * g + hh, k, kvh, t0, scale, s, i, hh, a0, a1, vis, smax)
                 else:
                     _scores(q, i, kvh * g + hh, k, kvh, t0, scale, s[i, hh], a0, a1)
-    # 2. per (row, head): max and exp(s - max)
+    # 2. per (row, head): the max; pacc zeroed
     for i in range(nq):
         for hh in range(g):
             h = kvh * g + hh
@@ -209,28 +213,33 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
                 pacc[b, i, h, j] = np.float32(0.0)
             if hi[i] == 0:
                 continue
-            mx = smax[i, hh]
+            mx = np.float32(-np.inf)
+            for j in range(CHUNK):  # the lanes' maxima (exact in any order)
+                mx = max(mx, smax[i, hh, j])
             if not ir_path:
                 for t in range(lo[i], hi[i]):
                     if vis[i, t] and s[i, hh, t] > mx:
                         mx = s[i, hh, t]
-            _exp_shifted(s[i, hh, lo[i]:hi[i]], hi[i] - lo[i], mx)
+                _exp_shifted(s[i, hh, lo[i]:hi[i]], hi[i] - lo[i], mx)
             pm[b, i, h] = mx
-    # 3. weights times V; each (row, head) sums its keys in key order
-    if ir_path:
-        for i in range(nq):
-            for hh in range(g):
-                l = np.float32(0.0)  # the unrounded weights' sum
-                for t in range(lo[i], hi[i]):
-                    if vis[i, t]:
-                        l += s[i, hh, t]
-                pl[b, i, kvh * g + hh] = l
-        for c0 in range(0, n, CHUNK):  # a V chunk in L1 for every row and head; pacc (zero) accumulates
+            smax[i, hh, 0] = mx
+    # 3. weights times V, chunk by chunk (a V chunk in L1 for every row and head); each (row, head)
+    # sums its keys in key order
+    if ir_path:  # exp, mask, the weights' sum and the products in one pass (attention_ir.pv_chunk_ir)
+        lacc = np.zeros((nq, g, CHUNK), dtype=np.float32)  # [nq, g, 16] the weights' sum, lane j = key j of a chunk
+        for c0 in range(0, n, CHUNK):
             for i in range(nq):
                 a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
                 if a1 > a0:
                     for hh in range(g):
-                        attention_ir.pv_ir(s, i, hh, vis, v, kvh, t0, a0, a1, pacc, b, i, kvh * g + hh, bf16_probs)
+                        attention_ir.pv_chunk_ir(s, i, hh, vis, v, kvh, t0, c0, a0, a1, smax[i, hh, 0], lacc, pacc,
+                                                 b, i, kvh * g + hh, bf16_probs)
+        for i in range(nq):
+            for hh in range(g):
+                l = np.float32(0.0)  # the 16 lanes in order (the same 16 additions for every row)
+                for j in range(CHUNK):
+                    l += lacc[i, hh, j]
+                pl[b, i, kvh * g + hh] = l
         return
     for c0 in range(0, n, CHUNK):  # numba: chunk by chunk, a V chunk in L1 for every row and head
         for i in range(nq):
@@ -312,8 +321,9 @@ def _partials(nb, q):
 def _attention_par(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, sinks, out):
     nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
     pm, pl, pacc = _partials(nb, q)
-    for item in prange((nb - b0) * nkv):
-        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item + b0 * nkv)
+    for item in prange((nb - b0) * nkv):  # KV head by KV head: a thread's items are consecutive tiles
+        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc,
+                      b0 + item % (nb - b0), item // (nb - b0))
     for item in prange(q.shape[0] * q.shape[1]):
         _merge_tiles(pm, pl, pacc, b0, sinks, out, item)
 
@@ -322,8 +332,9 @@ def _attention_par(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, 
 def _attention_ser(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, sinks, out):
     nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
     pm, pl, pacc = _partials(nb, q)
-    for item in range((nb - b0) * nkv):
-        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, item + b0 * nkv)
+    for item in range((nb - b0) * nkv):  # KV head by KV head: a thread's items are consecutive tiles
+        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc,
+                      b0 + item % (nb - b0), item // (nb - b0))
     for item in range(q.shape[0] * q.shape[1]):
         _merge_tiles(pm, pl, pacc, b0, sinks, out, item)
 
