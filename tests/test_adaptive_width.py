@@ -230,6 +230,31 @@ def test_injected_costs_end_to_end():
     assert r.stats.block_rows[:-1] == [8] * (r.stats.steps - 1) and r.stats.drafted_steps == r.stats.steps
 
 
+def test_context_catch_up_is_priced_before_drafting():
+    """The draft's first step feeds it the whole prompt (pending x feed_s seconds): worth it only
+    if perfect drafts over the tokens left could save more. Costs c(r) = 1 + 0.1 (r - 1), D = 0.2,
+    B = 8: with every draft accepted k = 7 is best, 8 tokens per 1.9 s, so a token saves at most
+    1 - 1.9 / 8 = 0.7625 s; 1000 rows at 10 ms = 10 s pay back over 14 tokens, not over 13."""
+    B = 8
+    verify = 1.0 + 0.1 * np.arange(B)
+    rule = W.AdaptiveWidth(W.CostTable(verify, 0.2, "injected", feed_s=0.01), B, online=False)
+    assert not rule.catch_up_pays(1000, 13, B - 1)
+    assert rule.catch_up_pays(1000, 14, B - 1)
+    assert rule.catch_up_pays(20, 1, B - 1)  # a step's usual context (0.2 s <= D): never vetoed
+    assert W.AdaptiveWidth(W.CostTable(verify, 0.2, "injected"), B, online=False).catch_up_pays(10**6, 1, B - 1)
+    # end to end: a 300-token prompt at 1 s a row against 40 tokens -> no draft at all, warm-up
+    # included; unknown feed cost (0) -> the warm-up drafts as before
+    target = HashTarget(vocab_size=40, valid=36, scale=2.0, seed=4)
+    prompt = [int(x) for x in np.random.default_rng(0).integers(0, 36, 300)]
+    ref = greedy_reference(target, prompt, 40)
+    draft = OracleDrafter(target, block_size=8)
+    for feed_s, drafted in ((1.0, 0), (0.0, None)):
+        rule = W.AdaptiveWidth(W.CostTable(verify, 0.2, "injected", feed_s=feed_s), B, online=False)
+        r = generate(target, draft, prompt_ids=prompt, max_new_tokens=40, width=rule)
+        assert r.output_ids == ref
+        assert r.stats.drafted_steps == drafted if drafted is not None else r.stats.drafted_steps >= 3
+
+
 # ---------------------------------------------------------------- real models
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
@@ -296,6 +321,7 @@ def test_cost_table_cached_by_model_format_threads(tiny_pair, tmp_path, monkeypa
     draft.__dict__.pop("_width_costs", None)
     t1 = W.costs_for(target, draft, 8)
     assert t1.source == "sweep" and t1.B == 8 and np.all(np.diff(t1.verify_s) >= 0) and t1.draft_s > 0
+    assert t1.feed_s > 0  # the draft's context catch-up, per row
     files = list(tmp_path.glob("costs-*.json"))
     assert len(files) == 1
     raw = json.loads(files[0].read_text())
@@ -309,7 +335,7 @@ def test_cost_table_cached_by_model_format_threads(tiny_pair, tmp_path, monkeypa
 
     monkeypatch.setattr(W, "measure_costs", no_sweep)
     t2 = W.costs_for(target, draft, 8)
-    assert t2.source == "cache" and t2.verify_s.tolist() == t1.verify_s.tolist() and t2.draft_s == t1.draft_s
+    assert t2.source == "cache" and t2.verify_s.tolist() == t1.verify_s.tolist() and t2.draft_s == t1.draft_s and t2.feed_s == t1.feed_s
     monkeypatch.undo()
     monkeypatch.setenv("DFLASH2_COST_CACHE", str(tmp_path))
     # another thread count -> another table; a damaged file -> measured again
@@ -322,6 +348,10 @@ def test_cost_table_cached_by_model_format_threads(tiny_pair, tmp_path, monkeypa
             assert len(list(tmp_path.glob("costs-*.json"))) == 2
     finally:
         numba.set_num_threads(saved)
+    draft.__dict__.pop("_width_costs")
+    old_layout = {k: v for k, v in json.loads(files[0].read_text()).items() if k != "feed_s"}
+    files[0].write_text(json.dumps(old_layout))  # a table written before feed_s: measured again
+    assert W.costs_for(target, draft, 8).source == "sweep"
     draft.__dict__.pop("_width_costs")
     files[0].write_text("{ truncated")
     assert W.costs_for(target, draft, 8).source == "sweep"

@@ -240,7 +240,7 @@ class Decoding:
         self._t0 = time.perf_counter()
         if self.Bv < 2:
             return None
-        if self.width is not None and not self.width.draft_now(self.kmax):
+        if self.width is not None and not (self._catch_up_pays() and self.width.draft_now(self.kmax)):
             self.Bv = 1  # a plain target step
             return None
         self._drafted = True
@@ -250,6 +250,12 @@ class Decoding:
         self._ctx_n = self.start - self.ctx_start  # committed tokens this step feeds to the draft
         self.ctx_taps, self.ctx_start = [], self.start
         return DraftCall(self.dstate, context, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
+
+    def _catch_up_pays(self) -> bool:
+        """The width rule's verdict on the draft's context backlog (rows start - ctx_start: the
+        prompt before the first draft) against the tokens left in the budget."""
+        pays = getattr(self.width, "catch_up_pays", None)
+        return pays is None or pays(self.start - self.ctx_start, self.max_len - 1 - self.start, self.kmax)
 
     def verify_ids(self, prop) -> np.ndarray:
         """The verify block [Bv]: anchor + the proposal's drafts trimmed to the budget."""

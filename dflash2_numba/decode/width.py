@@ -11,6 +11,7 @@ c(rows) = the target's verify time for that many rows.
                                                # cached on disk beside the kernel cache
     rule  = AdaptiveWidth(costs, B)
     rule.draft_now(kmax) -> bool               # before drafting: from past statistics only
+    rule.catch_up_pays(pending, remaining, kmax) -> bool  # (optional) the draft's context backlog
     rule.choose(proposal, kmax) -> k           # after drafting: from the draft's confidences
     rule.observe(k, accepted, drafted, draft_s, verify_s)
 
@@ -99,6 +100,7 @@ class CostTable:
     sweep_s: float = 0.0  # seconds the sweep took (0 when read from the cache)
     sweep_verify_s: np.ndarray = field(default=None, repr=False)
     sweep_draft_s: float = 0.0
+    feed_s: float = 0.0  # seconds per context row fed to the draft (its catch-up); 0: unknown
 
     def __post_init__(self):
         # more rows never cost less: each count takes the cheapest time measured at it or above,
@@ -121,7 +123,8 @@ class CostTable:
     def frozen(self) -> "CostTable":
         """The measured values only (no online refresh seen): a seeded sampled run reads these,
         so that it draws the same tokens whatever ran before it in this process."""
-        return CostTable(self.sweep_verify_s.copy(), self.sweep_draft_s, self.source, self.sweep_s)
+        return CostTable(self.sweep_verify_s.copy(), self.sweep_draft_s, self.source, self.sweep_s,
+                         feed_s=self.feed_s)
 
     def observe_verify(self, rows: int, seconds: float, weight: float = 0.1) -> None:
         i = rows - 1
@@ -142,7 +145,8 @@ class CostTable:
         self.draft_s += weight * (seconds - self.draft_s)
 
     def to_json(self) -> dict:
-        return {"verify_s": [float(x) for x in self.sweep_verify_s], "draft_s": self.sweep_draft_s}
+        return {"verify_s": [float(x) for x in self.sweep_verify_s], "draft_s": self.sweep_draft_s,
+                "feed_s": self.feed_s}
 
 
 def sweep_rows(B: int) -> list[int]:
@@ -162,8 +166,9 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
     budget sweeps max_running x B rows: decode/batch_width.py) after a `context`-token prefix (the
     minimum of up to `reps` rounds, interleaved so that load hits every count alike; rounds
     after the first stop once `budget_s` is spent, so a big model's sweep stays short) and the
-    draft's B-row proposal. One forward of 1 and of B rows and one proposal run untimed first
-    (kernels already compiled by then, or compiled now)."""
+    draft's B-row proposal, and per context row the draft's catch-up (the prefix fed to a fresh
+    draft state). One forward of 1 and of B rows and one proposal run untimed first (kernels
+    already compiled by then, or compiled now)."""
     from .sampling import SamplingParams
 
     t_start = time.perf_counter()
@@ -178,22 +183,25 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
     _, taps = target.forward(ids[:context], cache, tap_layers=taps_layers)  # the prefix
     counts = sweep_rows(R)
     best = {r: np.inf for r in counts}
-    d_best = np.inf
+    d_best = f_best = np.inf
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     n_new = min(2, context)  # a step's context update: its accepted tokens + the bonus (about 2)
 
     def part(a, b):
         return None if taps is None else taps[a:b]
 
-    def draft_step() -> float:
-        """One draft step on a fresh state holding the prefix but its last n_new tokens."""
+    def draft_step() -> tuple[float, float]:
+        """(one draft step on a fresh state holding the prefix but its last n_new tokens, seconds
+        per row of feeding that prefix)."""
         st = draft.new_state(context + B + 1)
+        t0 = time.perf_counter()
         if context > n_new:
             draft.extend_context(st, part(0, context - n_new), 0, ids[:context - n_new])
+        feed = (time.perf_counter() - t0) / max(1, context - n_new)
         t0 = time.perf_counter()
         draft.extend_context(st, part(context - n_new, context), context - n_new, ids[context - n_new:context])
         draft.propose(st, int(ids[context]), context, B, greedy, rng)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, feed
 
     for r in (1, R):  # untimed
         target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
@@ -209,8 +217,9 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
             dt = time.perf_counter() - t0
             cache.commit(context)
             best[r] = min(best[r], dt)
-        d_best = min(d_best, draft_step())
-    return CostTable(interpolate(best, R), d_best, "sweep", time.perf_counter() - t_start)
+        d, f = draft_step()
+        d_best, f_best = min(d_best, d), min(f_best, f)
+    return CostTable(interpolate(best, R), d_best, "sweep", time.perf_counter() - t_start, feed_s=f_best)
 
 
 def _identity(target, draft, B: int, threads: int, rows: int) -> dict | None:
@@ -265,10 +274,10 @@ def _read_cached(path: Path, ident: dict, rows: int) -> CostTable | None:
         raw = json.loads(path.read_text())
         if raw.get("identity") != ident:
             return None
-        v, d = np.asarray(raw["verify_s"], np.float64), float(raw["draft_s"])
-        if v.shape != (rows,):
+        v, d, f = np.asarray(raw["verify_s"], np.float64), float(raw["draft_s"]), float(raw["feed_s"])
+        if v.shape != (rows,) or not f >= 0:
             return None
-        return CostTable(v, d, "cache")
+        return CostTable(v, d, "cache", feed_s=f)
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent, truncated or from another layout: measure again
 
@@ -418,6 +427,21 @@ class AdaptiveWidth:
         if self.real_s > 0:
             best = max(best, self.real_tokens / self.real_s)
         return best
+
+    def catch_up_pays(self, pending: int, remaining: int, kmax: int) -> bool:
+        """Drafting now first feeds the draft the `pending` context rows it has not seen (the
+        prompt, at the first draft: pending x feed_s seconds). Worth it only if perfect drafts over
+        the `remaining` tokens of the budget could save more than that: remaining x (c(1) - the
+        seconds per token of a step whose drafts are all accepted). Else stay with plain steps
+        (and their backlog), warm-up and re-tests included. feed_s 0 (not measured): no veto."""
+        cost = pending * self.costs.feed_s
+        if cost <= self.costs.draft_s:  # a step's usual context (a few rows): part of a draft step
+            return True
+        if kmax < 1:
+            return False
+        _, e_best = self._best_value(np.ones(kmax + 1), kmax)  # tokens per second, every draft accepted
+        gain = self.costs.verify_s[0] - 1.0 / max(e_best, 1e-12)  # seconds saved per token, at best
+        return cost < remaining * gain
 
     def draft_now(self, kmax: int) -> bool:
         if self.warm_left > 0:
