@@ -94,11 +94,28 @@ def _c2(a):
     return isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C"
 
 
+def _score_types(q, k, s, vis, mx) -> bool:
+    """The score kernels' array types: q, s, mx f32 3-D, k f32 or bf16 bits 3-D, vis bool 2-D, C layout."""
+    return (_c3(q) and _c3(k) and _c3(s) and q.dtype == types.float32 and s.dtype == types.float32
+            and k.dtype in (types.float32, types.uint16) and _c2(vis) and vis.dtype == types.boolean
+            and _c3(mx) and mx.dtype == types.float32)
+
+
+def _score_pointers(context, builder, signature, pos, arrays, i_, h_, si_, sh_, t):
+    """hd, hd / 16 and the pointers of the score kernels: &q[i, h, 0], &s[si, sh, t],
+    &vis[si, t], &mx[si, sh, 0] (pos: the argument positions of q, s, vis, mx)."""
+    qa, sa, visa, mxa = arrays
+    zero = ir.Constant(context.get_value_type(types.intp), 0)
+    hd = cgutils.unpack_tuple(builder, qa.shape, 3)[2]
+    nchunks = builder.sdiv(hd, ir.Constant(hd.type, LANES))
+    ptr = lambda j, a, idx: cgutils.get_item_pointer(context, builder, signature.args[pos[j]], a, idx)  # noqa: E731
+    return (hd, nchunks, _f32_ptr(builder, ptr(0, qa, [i_, h_, zero])), _f32_ptr(builder, ptr(1, sa, [si_, sh_, t])),
+            ptr(2, visa, [si_, t]), ptr(3, mxa, [si_, sh_, zero]))
+
+
 @intrinsic
 def scores_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi, vis, mx):
-    if not (_c3(q) and _c3(k) and _c3(s) and q.dtype == types.float32 and s.dtype == types.float32
-            and k.dtype in (types.float32, types.uint16) and _c2(vis) and vis.dtype == types.boolean
-            and _c3(mx) and mx.dtype == types.float32):
+    if not _score_types(q, k, s, vis, mx):
         return None
     is_bf16 = k.dtype == types.uint16
     sig = types.void(q, types.intp, types.intp, k, types.intp, types.intp, types.float32, s, types.intp,
@@ -110,12 +127,8 @@ def scores_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi, vis, mx)
         i_, h_, kvh_, t0_, scale_, si_, sh_, lo_, hi_ = (args[j] for j in (1, 2, 4, 5, 6, 8, 9, 10, 11))
         intp = context.get_value_type(types.intp)
         zero = ir.Constant(intp, 0)
-        hd = cgutils.unpack_tuple(builder, qa.shape, 3)[2]
-        nchunks = builder.sdiv(hd, ir.Constant(intp, LANES))
-        qp = _f32_ptr(builder, cgutils.get_item_pointer(context, builder, signature.args[0], qa, [i_, h_, zero]))
-        sp = _f32_ptr(builder, cgutils.get_item_pointer(context, builder, signature.args[7], sa, [si_, sh_, zero]))
-        visp = cgutils.get_item_pointer(context, builder, signature.args[12], visa, [si_, zero])
-        mxp = cgutils.get_item_pointer(context, builder, signature.args[13], mxa, [si_, sh_, zero])
+        hd, nchunks, qp, sp, visp, mxp = _score_pointers(context, builder, signature, (0, 7, 12, 13),
+                                                         (qa, sa, visa, mxa), i_, h_, si_, sh_, zero)
         fma = _fma(builder)
         vf = ir.VectorType(ir.FloatType(), LANES)
         slots = [cgutils.alloca_once(builder, vf) for _ in range(KEYS)]
@@ -199,9 +212,7 @@ def scores16_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, c0, lo, hi, vi
     the max of those with c0 + j in [lo, hi) and vis[si, c0 + j]. Each key's score has the bits
     of `scores_ir`'s (the same FMA chain over hd and the same lane tree), but the 16 trees run
     as one transpose-and-add network: 15 vector adds instead of 60 for 16 horizontal sums."""
-    if not (_c3(q) and _c3(k) and _c3(s) and q.dtype == types.float32 and s.dtype == types.float32
-            and k.dtype in (types.float32, types.uint16) and _c2(vis) and vis.dtype == types.boolean
-            and _c3(mx) and mx.dtype == types.float32):
+    if not _score_types(q, k, s, vis, mx):
         return None
     is_bf16 = k.dtype == types.uint16
     sig = types.void(q, types.intp, types.intp, k, types.intp, types.intp, types.float32, s, types.intp,
@@ -215,12 +226,8 @@ def scores16_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, c0, lo, hi, vi
         i32, f32 = ir.IntType(32), ir.FloatType()
         vf, vi = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
         zero = ir.Constant(intp, 0)
-        hd = cgutils.unpack_tuple(builder, qa.shape, 3)[2]
-        nchunks = builder.sdiv(hd, ir.Constant(intp, LANES))
-        qp = _f32_ptr(builder, cgutils.get_item_pointer(context, builder, signature.args[0], qa, [i_, h_, zero]))
-        sp = _f32_ptr(builder, cgutils.get_item_pointer(context, builder, signature.args[7], sa, [si_, sh_, c0_]))
-        visp = cgutils.get_item_pointer(context, builder, signature.args[13], visa, [si_, c0_])
-        mxp = cgutils.get_item_pointer(context, builder, signature.args[14], mxa, [si_, sh_, zero])
+        hd, nchunks, qp, sp, visp, mxp = _score_pointers(context, builder, signature, (0, 7, 13, 14),
+                                                         (qa, sa, visa, mxa), i_, h_, si_, sh_, c0_)
         fma = _fma(builder)
         half = LANES // 2
         slots = [cgutils.alloca_once(builder, vf) for _ in range(half)]
