@@ -20,6 +20,7 @@ import json
 import numpy as np
 import pytest
 
+from dflash2_numba.decode import costs as costs_module
 from dflash2_numba.decode import width as W
 from dflash2_numba.decode.drafter import OracleDrafter, Proposal
 from dflash2_numba.decode.loop import generate
@@ -333,7 +334,7 @@ def test_cost_table_cached_by_model_format_threads(tiny_pair, tmp_path, monkeypa
     def no_sweep(*a, **k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(W, "measure_costs", no_sweep)
+    monkeypatch.setattr(costs_module, "measure_costs", no_sweep)
     t2 = W.costs_for(target, draft, 8)
     assert t2.source == "cache" and t2.verify_s.tolist() == t1.verify_s.tolist() and t2.draft_s == t1.draft_s and t2.feed_s == t1.feed_s
     monkeypatch.undo()

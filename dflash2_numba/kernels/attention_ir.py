@@ -186,19 +186,26 @@ def _combine(builder, a, b, width):
     return builder.fadd(builder.shuffle_vector(a, b, mask(lo)), builder.shuffle_vector(a, b, mask(hi)))
 
 
-def _store_and_max(builder, f, sp, visp, mxp, c0, lo, hi):
-    """Store the 16 scores f at sp and raise the running max of each lane (16 floats at mxp) by
-    the lanes that count: c0 + j in [lo, hi), vis (bytes at visp), not NaN. The caller takes the
-    max over the 16 lanes at the end (a max is exact in any order)."""
-    i32, f32 = ir.IntType(32), ir.FloatType()
-    vf, vi = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
-    builder.store(f, builder.bitcast(sp, vf.as_pointer()), align=4)
+def _counts(builder, c0, lo, hi, visp):
+    """<16 x i1>: key c0 + j counts for the row: c0 + j in [lo, hi) and vis (the bytes at visp)."""
+    i32 = ir.IntType(32)
+    vi = ir.VectorType(i32, LANES)
     lane = builder.add(ir.Constant(vi, list(range(LANES))), _splat_i32(builder, builder.trunc(c0, i32)))
     inside = builder.and_(builder.icmp_signed(">=", lane, _splat_i32(builder, builder.trunc(lo, i32))),
                           builder.icmp_signed("<", lane, _splat_i32(builder, builder.trunc(hi, i32))))
     vb = ir.VectorType(visp.type.pointee, LANES)
     seen = builder.icmp_unsigned("!=", builder.load(builder.bitcast(visp, vb.as_pointer()), align=1), ir.Constant(vb, None))
-    ok = builder.and_(builder.and_(inside, seen), builder.fcmp_ordered("==", f, f))
+    return builder.and_(inside, seen)
+
+
+def _store_and_max(builder, f, sp, visp, mxp, c0, lo, hi):
+    """Store the 16 scores f at sp and raise the running max of each lane (16 floats at mxp) by
+    the lanes that count: c0 + j in [lo, hi), vis (bytes at visp), not NaN. The caller takes the
+    max over the 16 lanes at the end (a max is exact in any order)."""
+    f32 = ir.FloatType()
+    vf = ir.VectorType(f32, LANES)
+    builder.store(f, builder.bitcast(sp, vf.as_pointer()), align=4)
+    ok = builder.and_(_counts(builder, c0, lo, hi, visp), builder.fcmp_ordered("==", f, f))
     m = builder.select(ok, f, _splat(builder, ir.Constant(f32, float("-inf"))))
     mp = builder.bitcast(mxp, vf.as_pointer())
     old = builder.load(mp, align=4)
@@ -223,8 +230,8 @@ def scores16_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, c0, lo, hi, vi
                                  for j in (0, 3, 7, 13, 14))
         i_, h_, kvh_, t0_, scale_, si_, sh_, c0_, lo_, hi_ = (args[j] for j in (1, 2, 4, 5, 6, 8, 9, 10, 11, 12))
         intp = context.get_value_type(types.intp)
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        vf, vi = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
+        f32 = ir.FloatType()
+        vf = ir.VectorType(f32, LANES)
         zero = ir.Constant(intp, 0)
         hd, nchunks, qp, sp, visp, mxp = _score_pointers(context, builder, signature, (0, 7, 13, 14),
                                                          (qa, sa, visa, mxa), i_, h_, si_, sh_, c0_)
@@ -370,12 +377,7 @@ def pv_chunk_ir(typingctx, s, si, sh, vis, v, kvh, t0, c0, lo, hi, mx, lacc, pac
         # the 16 weights: exp(s - mx) where the key counts, else 0
         w = _exp_vec(builder, builder.fsub(builder.load(builder.bitcast(sp, vf.as_pointer()), align=4),
                                            _splat(builder, mx_)))
-        lane = builder.add(ir.Constant(vi, list(range(LANES))), _splat_i32(builder, builder.trunc(c0_, i32)))
-        inside = builder.and_(builder.icmp_signed(">=", lane, _splat_i32(builder, builder.trunc(lo_, i32))),
-                              builder.icmp_signed("<", lane, _splat_i32(builder, builder.trunc(hi_, i32))))
-        vb = ir.VectorType(visp.type.pointee, LANES)
-        seen = builder.icmp_unsigned("!=", builder.load(builder.bitcast(visp, vb.as_pointer()), align=1), ir.Constant(vb, None))
-        w = builder.select(builder.and_(inside, seen), w, ir.Constant(vf, None))
+        w = builder.select(_counts(builder, c0_, lo_, hi_, visp), w, ir.Constant(vf, None))
         builder.store(builder.fadd(builder.load(lp, align=4), w), lp, align=4)
         w = builder.select(round_, _round_bf16_vec(builder, w), w)
         wbuf = cgutils.alloca_once(builder, vf)  # the weights, for a partial chunk's loop over its keys
