@@ -128,6 +128,26 @@ def test_q4_k_experts_verify_rows_equal_single_steps(tmp_path):
     _verify_equals_single_steps(target)
 
 
+@pytest.mark.parametrize("quantize", [None, "q4_0"])
+def test_grouped_experts_on_two_threads_equal_single_steps(models, quantize):
+    """With every product split over two threads (parallel threshold 0), the fused layer's
+    grouped expert product (one parallel pass over all picked experts' column items) gives the
+    bits of one-row steps and of the op-by-op path, which calls each expert on its own."""
+    import numba
+
+    from dflash2_numba.decode.warmup import parallel_threshold
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two numba threads")
+    saved = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        with parallel_threshold(0):
+            _verify_equals_single_steps(dn.load_target(models["top4"][0], quantize=quantize))
+    finally:
+        numba.set_num_threads(saved)
+
+
 def _verify_equals_single_steps(target):
     ids = _prompt(28, seed=7)
     cache = target.new_cache(64)

@@ -335,7 +335,7 @@ class MuseGlimmerTarget(TargetModel):
         self.ignored_tensors = sorted(expected.ignored(names))
         checkpoint.require(expected)
 
-        self.embed_table = get(p0 + "embed_tokens.weight")  # [V, H] stays uint16: rows on demand
+        self.embed_table = checkpoint.rows_table(p0 + "embed_tokens.weight")  # [V, H] stays uint16: rows on demand
         self.norm_w = as_f32(get(p0 + "norm.weight"))  # [H] plain w
         self.ones_h = np.ones(c.hidden_size, np.float32)  # [H] the weightless embedding norm
         self.ones_hd = np.ones(c.head_dim, np.float32)  # [hd] the weightless q / k norm

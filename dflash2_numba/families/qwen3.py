@@ -208,7 +208,7 @@ class TargetModel:
         checkpoint.require(self.expected_tensors(config))
         c, get, w = config, checkpoint.get, ops.prepare_weight
 
-        self.embed_table = get("model.embed_tokens.weight")  # [V, H] stays uint16: rows on demand
+        self.embed_table = checkpoint.rows_table("model.embed_tokens.weight")  # [V, H] stays uint16: rows on demand
         self.norm_w = as_f32(get("model.norm.weight"))  # [H]
         head = getattr(ops, "prepare_head", None) or w  # quantized like the rest unless kept as stored (CPU)
         if c.tie_word_embeddings:  # HF ties lm_head to the embedding even if a copy is stored

@@ -338,7 +338,7 @@ class Qwen3_5Model:
         def plus_one(name):  # zero-centred norm weights are stored as w, used as 1 + w
             return np.float32(1.0) + as_f32(get(name))
 
-        self.embed_table = get(P + "embed_tokens.weight")  # [V, H] rows on demand
+        self.embed_table = checkpoint.rows_table(P + "embed_tokens.weight")  # [V, H] rows on demand
         self.norm_w1 = plus_one(P + "norm.weight")  # [H]
         head = getattr(ops, "prepare_head", None) or w  # quantized like the rest unless kept as stored (CPU)
         self.lm_head_w = head(self.embed_table if c.tie_word_embeddings else get("lm_head.weight"))  # [V, H]

@@ -8,8 +8,9 @@ attention half of kernels/fused.py followed by the expert-major MoE block of mod
     m  = rms(h, ln2)
     ids, w = route_rows(m W_r^T)                          kernels/routing.route_rows (the same kernel)
     for each expert e picked by some row, ascending:      its weights read ONCE for its rows
-        y_e = down_e(silu(gate_e m_rows) * up_e m_rows)
-        out[rows] += w * y_e                             ascending expert id per row
+        y_e = down_e(silu(gate_e m_rows) * up_e m_rows)   (all picked experts' gate_up as one
+        out[rows] += w * y_e                              grouped product, then all downs)
+                                                          ascending expert id per row
     out += sigmoid(m W_g^T) * shared(m)                   when the layer has a shared expert
     h += out
 
@@ -23,26 +24,95 @@ kernels/fused.py: a one-thread f32 run compiles no parfor and no bf16 loop.
 import functools
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import overload
 
 from ..numerics import round_bf16
-from .fused import NEVER, _linear, _rms, _runtime_bool, attention_half
+from ..quant.formats import ITEM_PANELS
+from ..quant.kernels_int8 import _item as _item_quant, quantize_activations
+from .fused import NEVER, _linear, _rms, _rnd, _runtime_bool, attention_half
+from .panels import _item as _item_bf16
 from .routing import route_rows
 from .rowwise import _swiglu_rows
 
 
-def _expert(stack, e):  # pragma: no cover - typing stub, see the overload
+# ------------------------------------------------------------------ grouped expert product
+# The k experts of a decode row (or the union of a block's rows) as ONE product: work items
+# (slot s, 128 output columns b) over every picked expert, so the threads start once per
+# projection instead of once per expert (at one row on 2 threads, 16 parallel regions per
+# layer became 2). Slot s = expert eids[s] applied to rows offs[s] .. offs[s+1]-1 of x; each
+# item is the plain GEMV's item on exactly those rows, so every output has the bits of a
+# per-expert `_linear` call (and of a one-row call: the panel GEMV is row-invariant).
+@njit(parallel=True, cache=True, nogil=True)
+def _grouped_quant_par(xq, xs, xc, qw, ws, eids, offs, y, nitems):
+    for i in prange(eids.shape[0] * nitems):
+        s = i // nitems
+        o0, o1, e = offs[s], offs[s + 1], eids[s]
+        _item_quant(xq[o0:o1], xs[o0:o1], xc[o0:o1], qw[e], ws[e], y[o0:o1], i - s * nitems)
+
+
+@njit(cache=True, nogil=True)
+def _grouped_quant_ser(xq, xs, xc, qw, ws, eids, offs, y, nitems):
+    for i in range(eids.shape[0] * nitems):
+        s = i // nitems
+        o0, o1, e = offs[s], offs[s + 1], eids[s]
+        _item_quant(xq[o0:o1], xs[o0:o1], xc[o0:o1], qw[e], ws[e], y[o0:o1], i - s * nitems)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _grouped_bf16_par(x, panels, eids, offs, y, nitems):
+    for i in prange(eids.shape[0] * nitems):
+        s = i // nitems
+        o0, o1, e = offs[s], offs[s + 1], eids[s]
+        _item_bf16(x[o0:o1], panels[e], y[o0:o1], i - s * nitems)
+
+
+@njit(cache=True, nogil=True)
+def _grouped_bf16_ser(x, panels, eids, offs, y, nitems):
+    for i in range(eids.shape[0] * nitems):
+        s = i // nitems
+        o0, o1, e = offs[s], offs[s + 1], eids[s]
+        _item_bf16(x[o0:o1], panels[e], y[o0:o1], i - s * nitems)
+
+
+def _grouped(x, stack, eids, offs, y, parallel):  # pragma: no cover - typing stub, see the overload
     raise NotImplementedError
 
 
-@overload(_expert, inline="always")
-def _expert_impl(stack, e):
-    """Expert e's panels from a stack: [E, NP, K, 32] bf16, or the quantized pair (qw, ws) of
-    [E, ...] arrays -> the same kind of panels the GEMV takes for one weight."""
+@overload(_grouped, inline="always")
+def _grouped_impl(x, stack, eids, offs, y, parallel):
+    """y [T, N] = for each slot s: x[rows of s] @ W_eids[s].T; x [T, K] f32, stack = the
+    experts' bf16 panels [E, NP, K, 32] or quantized (qw, ws) [E, ...] pair."""
     if isinstance(stack, types.BaseTuple):
-        return lambda stack, e: (stack[0][e], stack[1][e])
-    return lambda stack, e: stack[e]
+        def quant(x, stack, eids, offs, y, parallel):
+            qw, ws = stack
+            xq, xs, xc = quantize_activations(x, ws[0])  # per row: the bits of each expert's own call
+            nitems = qw.shape[1] // ITEM_PANELS
+            if parallel:
+                _grouped_quant_par(xq, xs, xc, qw, ws, eids, offs, y, nitems)
+            else:
+                _grouped_quant_ser(xq, xs, xc, qw, ws, eids, offs, y, nitems)
+        return quant
+
+    def bf16_panels(x, stack, eids, offs, y, parallel):
+        nitems = stack.shape[1] // ITEM_PANELS
+        if parallel:
+            _grouped_bf16_par(x, stack, eids, offs, y, nitems)
+        else:
+            _grouped_bf16_ser(x, stack, eids, offs, y, nitems)
+    return bf16_panels
+
+
+@njit(inline="always")
+def _grouped_linear(x, stack, eids, offs, N, par_min_macs, parallel, bf16):
+    """rnd?(the grouped product) -> [T, N] f32, as `fused._linear` for one weight."""
+    y = np.empty((x.shape[0], N), np.float32)  # [T, N]
+    if parallel:
+        _grouped(x, stack, eids, offs, y, x.shape[0] * N * x.shape[1] >= par_min_macs)
+    else:
+        _grouped(x, stack, eids, offs, y, False)
+    _rnd(y, bf16)
+    return y
 
 
 def _make_moe_layer(bf16: bool, parallel: bool):
@@ -66,33 +136,42 @@ def _make_moe_layer(bf16: bool, parallel: bool):
         w = np.empty((n, top_k), np.float32)
         route_rows(logits, top_k, renorm != 0, _runtime_bool(bf16), ids, w)
 
-        out = np.zeros((n, H), np.float32)  # [n, H]
-        rows = np.empty(n, np.int64)
-        slots = np.empty(n, np.int64)
+        # (row, expert) pairs grouped by expert, ascending: slot s = expert eids[s] on the
+        # pairs offs[s] .. offs[s+1]-1 (row rows[t], routing weight w[rows[t], slots[t]])
+        T = n * top_k
+        rows = np.empty(T, np.int64)
+        slots = np.empty(T, np.int64)
+        eids = np.empty(T, np.int64)
+        offs = np.zeros(T + 1, np.int64)
+        S = 0
+        c = 0
         for e in range(E):  # ascending expert id
-            c = 0
+            c0 = c
             for r in range(n):
                 for j in range(top_k):
                     if ids[r, j] == e:
                         rows[c] = r
                         slots[c] = j
                         c += 1
-            if c == 0:
-                continue
-            x = np.empty((c, H), np.float32)  # [c, H] the rows that picked e
-            for i in range(c):
-                x[i] = m[rows[i]]
-            g = _linear(x, _expert(gu_stack, e), 2 * inter, par_min_macs, parallel, bf16)  # [c, 2I]
-            a = np.empty((c, inter), np.float32)  # [c, I]
-            _swiglu_rows(np.ascontiguousarray(g[:, :inter]), np.ascontiguousarray(g[:, inter:]), _runtime_bool(bf16), a)
-            y = _linear(a, _expert(down_stack, e), H, par_min_macs, parallel, bf16)  # [c, H]
-            for i in range(c):
-                r, wt = rows[i], w[rows[i], slots[i]]
-                for j in range(H):
-                    if bf16:
-                        out[r, j] = round_bf16(out[r, j] + round_bf16(y[i, j] * wt))
-                    else:
-                        out[r, j] = out[r, j] + y[i, j] * wt
+            if c > c0:
+                eids[S] = e
+                offs[S + 1] = c
+                S += 1
+        x = np.empty((T, H), np.float32)  # [T, H] each slot's rows of m
+        for t in range(T):
+            x[t] = m[rows[t]]
+        g = _grouped_linear(x, gu_stack, eids[:S], offs[:S + 1], 2 * inter, par_min_macs, parallel, bf16)  # [T, 2I]
+        a = np.empty((T, inter), np.float32)  # [T, I]
+        _swiglu_rows(np.ascontiguousarray(g[:, :inter]), np.ascontiguousarray(g[:, inter:]), _runtime_bool(bf16), a)
+        y = _grouped_linear(a, down_stack, eids[:S], offs[:S + 1], H, par_min_macs, parallel, bf16)  # [T, H]
+        out = np.zeros((n, H), np.float32)  # [n, H]
+        for t in range(T):  # ascending expert id per row, as the slots are ordered
+            r, wt = rows[t], w[rows[t], slots[t]]
+            for j in range(H):
+                if bf16:
+                    out[r, j] = round_bf16(out[r, j] + round_bf16(y[t, j] * wt))
+                else:
+                    out[r, j] = out[r, j] + y[t, j] * wt
 
         if sh_inter > 0:  # the shared expert, gated per row
             g = _linear(m, sh_gu, 2 * sh_inter, par_min_macs, parallel, bf16)  # [n, 2Is]

@@ -12,11 +12,14 @@
                   WEIGHT, stored at load as wq + 128 (formats.pack, unsigned=True), and the
                   signed one the activation's 4 bytes, broadcast from memory (LLVM folds the
                   broadcast into the instruction: {1to16}); the block sum then carries
-                  + 128 * sum_j xq, and subtracting xc makes it exact. No per-k extra work;
+                  + 128 * sum_j xq, and subtracting xc makes it exact. No per-k extra work.
+                  q4_0: the stored nibble (q + 8) itself is the unsigned operand and xc >> 4
+                  (= 8 * sum_j xq) the correction: a mask or a shift per weight vector;
      avx_vnni     the same with ymm ({vex} vpdpbusd, or the EVEX form with AVX512-VL);
      avx2         llama.cpp's sign trick: |w| (unsigned) x sign(w)*x (signed) by vpmaddubsw,
                   whose int16 pair sums stay <= 2 * 127 * 127 (no saturation), then vpmaddwd by
-                  ones into int32 lanes;
+                  ones into int32 lanes; q4_0: vpmaddubsw(nibble, x) (pairs <= 2 * 15 * 127),
+                  corrected by xc >> 4 as on VNNI;
      generic      plain LLVM vector IR (sign-extend, multiply, add the 4 products of a column),
                   which LLVM legalises on any target.
    The path is fixed when the kernels compile (kernels/isa.py: numba's target features, which
@@ -27,7 +30,8 @@
 
 Tiles: rows in groups of 4 (then 2, then 1) against a column group of one panel: 4 x 32
 columns = 8 int32 + 8 f32 zmm on AVX-512; 4 x 8 columns on 256-bit / generic (16 ymm: 4 + 4
-accumulators and the sign-trick temporaries). Rows beyond 32 (prefill) run the same kernel.
+accumulators and the sign-trick temporaries); a last single row on AVX-512 takes the item's 4
+panels at once (4 memory streams). Rows beyond 32 (prefill) run the same kernel.
 """
 
 from __future__ import annotations
@@ -132,12 +136,14 @@ def ir_half_to_float(builder, h, vi, vf):
 
 
 # ------------------------------------------------------------------ micro-kernel (LLVM IR)
-def _tile(R: int, G: int, fmt: str):
+def _tile(R: int, G: int, fmt: str, P: int = 1):
     """An intrinsic tile(xq, xs, xc, m0, qw, ws, p, col0, y, ycol): rows m0..m0+R-1, columns
-    col0 .. col0 + G*V - 1 of panel p -> y[m0 + r, ycol + col0 + j] (f32, the epilogue of the
-    module docstring). xq [M, Kp] int8, xs [M, nb] f32, xc [M, nb] int32, qw / ws the panels,
-    y f32, all C."""
+    col0 .. col0 + G*V - 1 of panels p .. p+P-1 -> y[m0 + r, ycol + 32 pp + col0 + j] (f32, the
+    epilogue of the module docstring). xq [M, Kp] int8, xs [M, nb] f32, xc [M, nb] int32, qw / ws
+    the panels, y f32, all C. P > 1 (the one-row tile): the P panels are read side by side, P
+    memory streams in flight instead of one; each column's arithmetic is unchanged."""
     q4 = fmt == "q4_0"
+    raw_nibbles = q4 and MODE != "generic"  # the nibbles (q + 8) are the unsigned operand as stored
     steps = 4 if q4 else 8  # loads per 32-block and group: a q4 load holds two k-quads
 
     @intrinsic
@@ -180,6 +186,9 @@ def _tile(R: int, G: int, fmt: str):
                              [builder.add(builder.mul(p, panel_bytes), builder.mul(col0, const(4)))])
             meta = builder.add(builder.mul(builder.mul(p, nb), const(PANEL_COLS)), col0)  # ws [p, 0, col0]
             s0 = builder.gep(wa.data, [meta])
+            panel_metas = builder.mul(nb, const(PANEL_COLS))  # ws elements per panel
+            w_at = [builder.gep(w0, [builder.mul(panel_bytes, const(pp))]) for pp in range(P)]
+            s_at = [builder.gep(s0, [builder.mul(panel_metas, const(pp))]) for pp in range(P)]
             x0 = builder.gep(xa.data, [builder.mul(m0, Kp)])  # &xq[m0, 0]
             xs0 = builder.gep(xsa.data, [builder.mul(m0, nb)])
             xc0 = builder.gep(xca.data, [builder.mul(m0, nb)])
@@ -203,7 +212,7 @@ def _tile(R: int, G: int, fmt: str):
 
             def prep(w):
                 """Per weight vector, what every row's dot reuses."""
-                if MODE == "avx2":
+                if MODE == "avx2" and not raw_nibbles:
                     return w, builder.call(absb, [w, ir.Constant(ir.IntType(1), 0)])
                 if MODE == "generic":
                     return builder.sext(w, vw), None
@@ -213,8 +222,10 @@ def _tile(R: int, G: int, fmt: str):
                 """acc += the 4-product sums of xword (4 activation bytes, every column) x w."""
                 w, aux = wprep
                 xb = builder.bitcast(splat(xword, vi), vb)
-                if VNNI:  # unsigned operand: the weights + 128; signed: x (xc corrects the + 128)
+                if VNNI:  # unsigned operand: the weights + 128 (q4: + 8); signed: x (xc corrects the offset)
                     return builder.call(dp, [acc, w, xb])
+                if raw_nibbles:  # avx2 q4_0: nibble (unsigned, <= 15) x x, pairs <= 2 * 15 * 127
+                    return builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [w, xb]), ones16]))
                 if MODE == "avx2":
                     sx = builder.call(psign, [xb, w])  # sign(w) * x, |x| <= 127
                     pairs = builder.call(maddubs, [aux, sx])  # |w| * sign(w) x, pairs <= 32258
@@ -234,19 +245,24 @@ def _tile(R: int, G: int, fmt: str):
             # is exact, so how the block's sum is split changes no bit
             chains = max(1, 8 // (R * G))
             iacc = [[[zero_i] * chains for _ in range(G)] for _ in range(R)]
-            wblock = builder.gep(w0, [builder.mul(b, const(steps * PANEL_COLS * 4))])
+            wblocks = [builder.gep(w, [builder.mul(b, const(steps * PANEL_COLS * 4))]) for w in w_at]
             xblock = builder.mul(b, const(BLOCK))
             prefetch = fn("llvm.prefetch.p0i8", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
-            for line in range(0, steps * PANEL_COLS * 4, 64):  # read, high locality, data cache
-                builder.call(prefetch, [builder.gep(wblock, [const(PREFETCH_BYTES + line)]),
-                                        ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            for wblock in wblocks:
+                for line in range(0, steps * PANEL_COLS * 4, 64):  # read, high locality, data cache
+                    builder.call(prefetch, [builder.gep(wblock, [const(PREFETCH_BYTES + line)]),
+                                            ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
             for step in range(steps):
                 loads = []
-                for g in range(G):
-                    ptr = builder.gep(wblock, [const(step * PANEL_COLS * 4 + g * V * 4)])
+                for g in range(G):  # group g = panel g // (G / P), its columns (g % (G / P)) * V ...
+                    ptr = builder.gep(wblocks[g // (G // P)], [const(step * PANEL_COLS * 4 + (g % (G // P)) * V * 4)])
                     loads.append(builder.load(builder.bitcast(ptr, vb.as_pointer()), align=1))
-                if q4:  # low nibbles: k-quad `step`, high: `step + 4`; - 8 -> int8 (VNNI: + 120 -> q + 128)
-                    off, mask = ir.Constant(vb, [120 if VNNI else -8] * 4 * V), ir.Constant(vb, [15] * 4 * V)
+                if raw_nibbles:  # low nibbles: k-quad `step`, high: `step + 4`; each q + 8, used as is
+                    mask = ir.Constant(vb, [15] * 4 * V)
+                    quads = [(step, [builder.and_(w, mask) for w in loads]),
+                             (step + 4, [builder.lshr(w, ir.Constant(vb, [4] * 4 * V)) for w in loads])]
+                elif q4:  # the generic path: q + 8 - 8 -> int8, sign-extended
+                    off, mask = ir.Constant(vb, [-8] * 4 * V), ir.Constant(vb, [15] * 4 * V)
                     quads = [(step, [builder.add(builder.and_(w, mask), off) for w in loads]),
                              (step + 4, [builder.add(builder.lshr(w, ir.Constant(vb, [4] * 4 * V)), off)
                                          for w in loads])]
@@ -263,17 +279,20 @@ def _tile(R: int, G: int, fmt: str):
             for r in range(R):
                 xsr = builder.load(builder.gep(xs0, [builder.add(builder.mul(const(r), nb), b)]))
                 xsb = splat(xsr, vf)
-                if VNNI:
+                if VNNI or raw_nibbles:  # xc = 128 sum x: the + 128 offset's sum; q4's + 8 is xc >> 4
                     xcb = splat(builder.load(builder.gep(xc0, [builder.add(builder.mul(const(r), nb), b)])), vi)
+                    if q4:
+                        xcb = builder.ashr(xcb, ir.Constant(vi, [4] * V))
                 row = []
                 for g in range(G):
-                    at = builder.add(builder.mul(b, const(PANEL_COLS)), const(g * V))
-                    wsh = builder.load(builder.bitcast(builder.gep(s0, [at]), vs16.as_pointer()), align=2)
+                    at = builder.add(builder.mul(b, const(PANEL_COLS)), const((g % (G // P)) * V))
+                    wsh = builder.load(builder.bitcast(builder.gep(s_at[g // (G // P)], [at]), vs16.as_pointer()),
+                                       align=2)
                     wsv_ = half_to_float(wsh)
                     isum = iacc[r][g][0]
                     for part in iacc[r][g][1:]:
                         isum = builder.add(isum, part)
-                    if VNNI:
+                    if VNNI or raw_nibbles:
                         isum = builder.sub(isum, xcb)
                     scale = builder.fmul(wsv_, xsb)  # ws * xs: ONE rounding, the same on every path
                     row.append(builder.call(fma, [scale, builder.sitofp(isum, vf), facc[r][g]]))
@@ -294,7 +313,8 @@ def _tile(R: int, G: int, fmt: str):
                     out = outs[r][g]
                     out.add_incoming(zero_f, entry)
                     out.add_incoming(new[r][g], loop)
-                    ptr = builder.gep(y0, [builder.add(builder.mul(const(r), ldy), const(g * V))])
+                    ycol_g = (g // (G // P)) * PANEL_COLS + (g % (G // P)) * V
+                    ptr = builder.gep(y0, [builder.add(builder.mul(const(r), ldy), const(ycol_g))])
                     builder.store(out, builder.bitcast(ptr, vf.as_pointer()), align=4)
             return context.get_dummy_value()
 
@@ -304,15 +324,21 @@ def _tile(R: int, G: int, fmt: str):
 
 
 _G = GROUP_COLS // V
-_tiles = {fmt: (_tile(4, _G, fmt), _tile(2, _G, fmt), _tile(1, _G, fmt)) for fmt in ("q8_0", "q4_0")}
+# the one-row tile reads all 4 panels of an item side by side on AVX-512 (4 memory streams: one
+# row, 1 thread, from memory, q4_0 +10-20%, q8_0 +10-15%, bench/quant_stream.py); the 16-register
+# 256-bit paths keep one panel (4 panels there spill and lose ~25% in cache)
+_T1P = ITEM_PANELS if MODE == "vnni512" else 1
+_tiles = {fmt: (_tile(4, _G, fmt), _tile(2, _G, fmt), _tile(1, _T1P * _G, fmt, _T1P))
+          for fmt in ("q8_0", "q4_0")}
 _q8_4, _q8_2, _q8_1 = _tiles["q8_0"]
 _q4_4, _q4_2, _q4_1 = _tiles["q4_0"]
 
 
 # ------------------------------------------------------------------ drivers
-def _make_item(t4, t2, t1, group_cols=GROUP_COLS):
+def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1):
     """The driver of one work item (ITEM_PANELS panels) over tiles t4 / t2 / t1 (4 / 2 / 1 rows)
-    of `group_cols` columns each (kernels_q4k.py reuses it with its own tiles)."""
+    of `group_cols` columns each (kernels_q4k.py reuses it with its own tiles); t1 covers
+    `t1_panels` panels side by side (1 or ITEM_PANELS)."""
 
     @njit(inline="always")
     def item(xq, xs, xc, qw, ws, y, b):
@@ -330,7 +356,7 @@ def _make_item(t4, t2, t1, group_cols=GROUP_COLS):
                 if M - m0 >= 2:
                     t2(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
                     m0 += 2
-                if M - m0 == 1:
+                if M - m0 == 1 and pp % t1_panels == 0:
                     t1(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
         n0 = b * ITEM_COLS
         for r in range(M):
@@ -340,8 +366,8 @@ def _make_item(t4, t2, t1, group_cols=GROUP_COLS):
     return item
 
 
-_item_q8 = _make_item(_q8_4, _q8_2, _q8_1)
-_item_q4 = _make_item(_q4_4, _q4_2, _q4_1)
+_item_q8 = _make_item(_q8_4, _q8_2, _q8_1, t1_panels=_T1P)
+_item_q4 = _make_item(_q4_4, _q4_2, _q4_1, t1_panels=_T1P)
 
 
 def _item(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the overload
