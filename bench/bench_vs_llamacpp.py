@@ -150,6 +150,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
+import dflash2_numba  # noqa: E402,F401  first: a DFLASH2_ISA override must reach numba before any codegen
 from bandwidth import read_bandwidth  # noqa: E402  (bench/bandwidth.py: four-stream sum)
 from bench_target import SHAPE, decode, model_dir  # noqa: E402
 from dflash2_numba.checkpoint import open_checkpoint  # noqa: E402
