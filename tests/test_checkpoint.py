@@ -407,3 +407,49 @@ def test_inspect_target_hashes_tokenizer_files(tmp_path):
     assert sorted(report["sha256"]) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert report["sha256"]["tokenizer.json"] == hashlib.sha256(b"{}").hexdigest()
     assert "target (LlamaForCausalLM)" in format_inspect(report)
+
+
+def _resident_pages(a: np.ndarray) -> tuple[int, int]:
+    """(resident, total) pages under array a, by mincore(2)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = a.ctypes.data - a.ctypes.data % page
+    n = -(-(a.ctypes.data + a.nbytes - start) // page)
+    vec = (ctypes.c_ubyte * n)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+        pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+    return sum(v & 1 for v in vec), n
+
+
+def test_rows_table_reads_the_embedding_into_the_page_cache(tmp_path):
+    """The token embedding is read by rows from the file's map; rows_table has its pages read at
+    load, so a decode step's first use of a token waits for no disk read. Checked with mincore on
+    a table evicted from the page cache first (posix_fadvise DONTNEED), at an offset that is not
+    page-aligned; the values are get()'s."""
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mincore / posix_fadvise: Linux")
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((3001, 77)).astype(np.float32)  # 924 KB: 226 pages
+    path = tmp_path / "model.safetensors"
+    np_save_file({"a.norm": np.ones(5, np.float32), "model.embed_tokens.weight": table}, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    ck = open_checkpoint(tmp_path)
+    lazy = ck.get("model.embed_tokens.weight")
+    resident, total = _resident_pages(lazy)
+    if resident > total // 2:
+        pytest.skip(f"this filesystem keeps the file resident ({resident}/{total} pages after DONTNEED)")
+    got = ck.rows_table("model.embed_tokens.weight")
+    resident, total = _resident_pages(got)  # before anything here reads the values
+    assert resident == total, (resident, total)
+    assert np.array_equal(got, table) and np.array_equal(got, lazy)
