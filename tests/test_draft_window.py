@@ -89,6 +89,22 @@ def test_generate_with_window_is_lossless_and_reported(tmp_path, target_dir, tar
                     draft_window=8)
 
 
+def test_statistics_separate_the_context_catch_up(tmp_path, target_dir, target):
+    """A 12-token prompt at Q=4: the first drafted step feeds the whole prompt to the draft (a
+    catch-up: more than a block of context), every later one at most a block (the accepted
+    tokens). Fixed width: every step drafts but a last one the budget leaves one row. A 3-token
+    prompt has no catch-up."""
+    draft = dn.load_draft(write_v1(tmp_path, target_dir, "full-noncausal", **VARIANTS["full-noncausal"]), target)
+    prompt = np.random.default_rng(4).integers(0, target.valid_vocab, 12).tolist()
+    s = dn.generate(target, draft, prompt_ids=prompt, max_new_tokens=24, block_size=4).stats
+    assert s.drafted_steps >= s.steps - 1 >= 3 and s.catch_up_steps == 1
+    assert 0 < s.catch_up_draft_s < s.draft_s
+    assert s.draft_s_per_step == pytest.approx((s.draft_s - s.catch_up_draft_s) / (s.drafted_steps - 1))
+    assert "draft context catch-up" in s.format() and s.to_dict()["draft_s_per_step"] == s.draft_s_per_step
+    short = dn.generate(target, draft, prompt_ids=prompt[:3], max_new_tokens=24, block_size=4).stats
+    assert short.catch_up_steps == 0 and short.draft_s_per_step == pytest.approx(short.draft_s / short.drafted_steps)
+
+
 def test_server_request_field_and_refusals(target):
     """`draft_window` in a request body: parsed, typed (400 on a wrong type), and refused with its
     param named for a drafter without context attention or a negative value."""

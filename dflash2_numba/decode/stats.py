@@ -11,7 +11,11 @@ Definitions (peers disagree, so here they are):
 - per_position_acceptance[j] = among steps that offered a draft at slot j (0-based, i.e. a
   block of more than j+1 rows), the fraction that accepted it;
 - prefill_s: the target prompt forward + first token; draft_s: drafter time (context extension
-  and proposals); verify_s: target verify forwards + acceptance; decode_s: wall time of all
+  and proposals); catch_up_steps / catch_up_draft_s: the drafted steps that fed the draft more
+  than a block of context (the prompt's catch-up before its first draft, or a backlog of plain
+  steps) and their draft seconds, part of draft_s; draft_s_per_step: the draft seconds of the
+  other drafted steps, per step (what a drafted step costs once the context is caught up);
+  verify_s: target verify forwards + acceptance; decode_s: wall time of all
   steps (draft + verify + bookkeeping); tokens_per_s = generated tokens / (prefill_s + decode_s)
   and decode_tokens_per_s = tokens after the first / decode_s;
 - threads: numba threads the kernels ran with; compile_s: the CLI's first-run warm-up (kernel
@@ -40,6 +44,8 @@ class DecodeStats:
     kv_dtype: str = "f32"  # the KV cache's element type ("f32" | "bf16": --kv-dtype)
     prefill_s: float = 0.0
     draft_s: float = 0.0
+    catch_up_steps: int = 0  # drafted steps that fed more than a block of context (part of drafted_steps)
+    catch_up_draft_s: float = 0.0  # their draft seconds (part of draft_s)
     verify_s: float = 0.0
     decode_s: float = 0.0
     baseline_tokens_per_s: float | None = None
@@ -83,6 +89,12 @@ class DecodeStats:
         return rates
 
     @property
+    def draft_s_per_step(self) -> float | None:
+        """Draft seconds per drafted step, the context catch-ups left out (None: no such step)."""
+        n = self.drafted_steps - self.catch_up_steps
+        return (self.draft_s - self.catch_up_draft_s) / n if n > 0 else None
+
+    @property
     def tokens_per_s(self) -> float:
         t = self.prefill_s + self.decode_s
         return self.new_tokens / t if t > 0 else 0.0
@@ -101,7 +113,8 @@ class DecodeStats:
         d = asdict(self)
         d.update(tau=self.tau, acceptance_histogram=self.acceptance_histogram, width_histogram=self.width_histogram,
                  per_position_acceptance=self.per_position_acceptance,
-                 tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
+                 tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
+                 draft_s_per_step=self.draft_s_per_step)
         return d
 
     def to_json(self) -> str:
@@ -123,6 +136,11 @@ class DecodeStats:
                              + f" ({self.drafted_steps} of {self.steps} steps drafted)")
         lines.append(f"time     prefill {self.prefill_s:.3f}s  decode {self.decode_s:.3f}s "
                      f"(draft {self.draft_s:.3f}s, verify {self.verify_s:.3f}s)")
+        if self.catch_up_steps:
+            per = self.draft_s_per_step
+            lines.append(f"         draft context catch-up {self.catch_up_draft_s:.3f}s in {self.catch_up_steps} step"
+                         + ("s" if self.catch_up_steps != 1 else "")
+                         + ("" if per is None else f"; other drafted steps {1e3 * per:.1f} ms each"))
         lines.append(f"speed    {self.tokens_per_s:.1f} tok/s overall, "
                      f"{self.decode_tokens_per_s:.1f} tok/s decode, {self.threads} thread"
                      + ("s" if self.threads != 1 else ""))

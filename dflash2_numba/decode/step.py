@@ -287,6 +287,10 @@ class Decoding:
         self.stats.draft_s += self._t1 - self._t0
         self.stats.verify_s += t2 - self._t1
         self.stats.record_step(self.Bv, a, self._drafted)
+        catch_up = self._drafted and self._ctx_n > self.Q  # fed more than a block of context (the prompt's)
+        if catch_up:
+            self.stats.catch_up_steps += 1
+            self.stats.catch_up_draft_s += self._t1 - self._t0
         if self.width is not None:
             # a draft step that fed more than a block of context (the prompt's) is not a typical step
             draft_s = self._t1 - self._t0 if self._ctx_n <= self.Q else None
