@@ -65,14 +65,14 @@ class FusedSpy:
         monkeypatch.setattr(fused, name, spy)
 
 
-def run_target(target, rows: int, engine: bool, prefill: int = PREFILL):
-    """Prefill `prefill` tokens, then one forward of `rows` tokens; everything it produced."""
+def run_target(target, rows: int, engine: bool):
+    """Prefill PREFILL tokens, then one forward of `rows` tokens; everything it produced."""
     target.fused = engine
-    cache = target.new_cache(prefill + rows + 8)  # spare rows: a K/V written too far lands in them
-    ids = (np.arange(prefill + rows) * 37 + 5) % 900
+    cache = target.new_cache(PREFILL + rows + 8)  # spare rows: a K/V written too far lands in them
+    ids = (np.arange(PREFILL + rows) * 37 + 5) % 900
     taps_at = tuple(range(target.config.num_hidden_layers))
-    l1, t1 = target.forward(ids[:prefill], cache, tap_layers=taps_at)
-    l2, t2 = target.forward(ids[prefill:], cache, tap_layers=taps_at)
+    l1, t1 = target.forward(ids[:PREFILL], cache, tap_layers=taps_at)
+    l2, t2 = target.forward(ids[PREFILL:], cache, tap_layers=taps_at)
     n = cache.length
     return [l1, t1, l2, t2, cache.k[:, :, :n].copy(), cache.v[:, :, :n].copy()]
 
@@ -103,24 +103,6 @@ def test_target_fused_equals_op_by_op(targets, monkeypatch, arch, dtype, threads
                 monkeypatch.undo()
     finally:
         numba.set_num_threads(saved)
-
-
-def test_long_variant_equals_op_by_op_across_the_first_tile(targets, monkeypatch):
-    """Past attention.TILE keys the fused layer switches to its long variant (the IR attention
-    loops on tiles after the first, kernels/fused.is_long): blocks that end before, at and past the
-    tile boundary equal the op-by-op path (which always applies the per-tile rule) bit for bit, and
-    the long variant really ran. Head size 16: the IR loops apply."""
-    from dflash2_numba.kernels.attention import TILE
-
-    target = dn.load_target(targets["qwen3"])
-    seen = []
-    inner = fused.is_long
-    monkeypatch.setattr(fused, "is_long", lambda k_pos: seen.append(inner(k_pos)) or seen[-1])
-    for prefill, rows in ((TILE - 9, 8), (TILE - 8, 8), (TILE - 5, 8), (TILE + 40, 1), (TILE + 40, 16)):
-        want = run_target(target, rows, engine=False, prefill=prefill)
-        got = run_target(target, rows, engine=True, prefill=prefill)
-        assert_all_equal(got, want)
-    assert True in seen and False in seen
 
 
 def test_fused_matches_numpy_device(targets):

@@ -20,9 +20,7 @@ import numba
 
 from ..kernels import linear as linear_kernels
 from ..kernels.linear import GEMV_MAX_ROWS
-from ..kernels.attention import TILE
 from ..kernels.cache_check import kernel_cache_is_cold, kernels_compiled
-from ..kernels import fused, fused_moe
 
 @contextmanager
 def parallel_threshold(macs: int | None):
@@ -83,10 +81,6 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
                 generate(target, draft, **kw)
             if baseline or draft is None:
                 generate(target, None, **dict(kw, block_size=None))
-    n_prompt = len(generate_kwargs["prompt_ids"]) if generate_kwargs.get("prompt_ids") is not None else None
-    if n_prompt is None or n_prompt + int(generate_kwargs.get("max_new_tokens") or 0) + Q + 1 > TILE:
-        for make in (fused._layer_kernel, fused_moe._moe_kernel):  # the run will attend over more
-            fused.compile_long_twins(make)  # than one tile: its kernel variants too
     if auto:  # the verify cost table (a short timed sweep once kernels are compiled; cached on disk)
         costs_for(target, draft, int(draft.block_size))
     compiled = kernels_compiled() > before or getattr(target.ops, "device", "cpu") == "cuda"

@@ -164,16 +164,12 @@ def _visible(qp, kp, causal, window):
 
 
 @njit(fastmath={"reassoc"}, nogil=True)  # its own flags: called, not inlined (see the drivers)
-def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, b, kvh, ir):
+def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, b, kvh):
     """Work item (tile b, KV head kvh): for every query i and
     head h of kvh's group, the partial softmax over the tile's visible keys (rows first..T-1):
         pm[b, i, h] = max score (-inf: none visible), pl[b, i, h] = sum of the UNROUNDED weights,
         pacc[b, i, h] = sum of the weights (bf16-rounded in bf16_probs mode) times V rows.
-    q [nq, nh, hd], k/v [nkv, >=T, hd] C-contiguous; pm, pl [nb, nq, nh], pacc [nb, nq, nh, hd].
-    ir: True = the LLVM IR inner loops (attention_ir.py; hd a multiple of 16), None = numba's loops.
-    A constant at every call (the drivers): numba prunes the other path before typing (it prunes
-    branches on an argument's type being None, not on a literal bool), so each of the two compiled
-    versions holds one path only."""
+    q [nq, nh, hd], k/v [nkv, >=T, hd] C-contiguous; pm, pl [nb, nq, nh], pacc [nb, nq, nh, hd]."""
     nq, nh, hd = q.shape
     nkv = k.shape[0]
     g = nh // nkv
@@ -193,13 +189,14 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
             z = max(z, t + 1 if seen else 0)
         lo[i], hi[i] = a, z
     s = np.empty((nq, g, npad), dtype=np.float32)  # [nq, g, npad] scores, then weights
+    ir_path = hd % attention_ir.LANES == 0  # the LLVM IR inner loops (attention_ir.py); else numba's
     smax = np.full((nq, g, CHUNK), -np.inf, dtype=np.float32)  # [nq, g, 16] running max per lane (IR path)
     # 1. scores, K chunk by chunk (a chunk stays in L1 while every row and head reads it)
     for c0 in range(0, n, CHUNK):
         for i in range(nq):
             a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
             for hh in range(g):
-                if ir is not None:
+                if ir_path:
                     if a1 > a0 and t0 + c0 + CHUNK <= k.shape[1]:  # 16 keys at once (the same bits per key)
                         attention_ir.scores16_ir(q, i, kvh * g + hh, k, kvh, t0, scale, s, i, hh, c0, a0, a1, vis, smax)
                     elif a1 > a0:
@@ -219,7 +216,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
             mx = np.float32(-np.inf)
             for j in range(CHUNK):  # the lanes' maxima (exact in any order)
                 mx = max(mx, smax[i, hh, j])
-            if ir is None:
+            if not ir_path:
                 for t in range(lo[i], hi[i]):
                     if vis[i, t] and s[i, hh, t] > mx:
                         mx = s[i, hh, t]
@@ -228,7 +225,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
             smax[i, hh, 0] = mx
     # 3. weights times V, chunk by chunk (a V chunk in L1 for every row and head); each (row, head)
     # sums its keys in key order
-    if ir is not None:  # exp, mask, the weights' sum and the products in one pass (attention_ir.pv_chunk_ir)
+    if ir_path:  # exp, mask, the weights' sum and the products in one pass (attention_ir.pv_chunk_ir)
         lacc = np.zeros((nq, g, CHUNK), dtype=np.float32)  # [nq, g, 16] the weights' sum, lane j = key j of a chunk
         for c0 in range(0, n, CHUNK):
             for i in range(nq):
@@ -314,14 +311,6 @@ def _partials(nb, q):
             np.empty((nb, nq, nh, hd), np.float32))
 
 
-# Which inner loops a tile takes: the IR loops (attention_ir.py) from tile 1 on when hd is a
-# multiple of 16, numba's loops on tile 0 and for other head sizes. A rule on the tile's index
-# alone, so a row's bits depend neither on the block nor on the context length. `long` is None in
-# the fused kernels' short variants (kernels/fused.py), where the caller guarantees T <= TILE (tile
-# 0 is then the only tile): numba prunes the IR branch before typing and never compiles the IR
-# loops (about a third of a cold start: docs/cold_start.md). Anything else (True: the long variants
-# and the Python wrapper `attention`) takes the per-tile rule.
-#
 # Drivers: parallel over items and a serial twin for small work (fork/join would dominate). The
 # item functions are CALLED, compiled once with the drivers' fastmath ("reassoc", which lets LLVM
 # vectorise the reductions) as their own flags, so both drivers run the same machine code for a
@@ -330,31 +319,23 @@ def _partials(nb, q):
 # (Twins, not one inlined body: a prange inside an inline="always" helper is NOT turned into a
 # parallel loop; numba's parallel diagnostics then list no loop.)
 @njit(parallel=True, fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_par(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, sinks, out, long):
+def _attention_par(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, sinks, out):
     nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
     pm, pl, pacc = _partials(nb, q)
-    ir_ok = q.shape[2] % attention_ir.LANES == 0
     for item in prange((nb - b0) * nkv):  # KV head by KV head: a thread's items are consecutive tiles
-        b, kvh = b0 + item % (nb - b0), item // (nb - b0)
-        if long is not None and b > 0 and ir_ok:  # pruned before typing where long is None
-            _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, b, kvh, True)
-        else:
-            _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, b, kvh, None)
+        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc,
+                      b0 + item % (nb - b0), item // (nb - b0))
     for item in prange(q.shape[0] * q.shape[1]):
         _merge_tiles(pm, pl, pacc, b0, sinks, out, item)
 
 
 @njit(fastmath={"reassoc"}, cache=True, nogil=True)
-def _attention_ser(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, sinks, out, long):
+def _attention_ser(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, sinks, out):
     nb, b0, nkv = (T + TILE - 1) // TILE, first // TILE, k.shape[0]
     pm, pl, pacc = _partials(nb, q)
-    ir_ok = q.shape[2] % attention_ir.LANES == 0
     for item in range((nb - b0) * nkv):  # KV head by KV head: a thread's items are consecutive tiles
-        b, kvh = b0 + item % (nb - b0), item // (nb - b0)
-        if long is not None and b > 0 and ir_ok:  # pruned before typing where long is None
-            _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, b, kvh, True)
-        else:
-            _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc, b, kvh, None)
+        _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, pm, pl, pacc,
+                      b0 + item % (nb - b0), item // (nb - b0))
     for item in range(q.shape[0] * q.shape[1]):
         _merge_tiles(pm, pl, pacc, b0, sinks, out, item)
 
@@ -380,5 +361,5 @@ def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, ou
     sinks = NO_SINKS if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
     if sinks.shape[0] not in (0, q.shape[1]):
         raise ValueError(f"attention: sinks {list(sinks.shape)}, expected [{q.shape[1]}] (one per query head)")
-    kernel(q, k, v, q_pos, k_pos, first, T, bool(causal), int(window), bool(bf16_probs), sinks, out, True)
+    kernel(q, k, v, q_pos, k_pos, first, T, bool(causal), int(window), bool(bf16_probs), sinks, out)
     return out

@@ -25,13 +25,11 @@ is at least `par_min_macs` multiply-adds (the measured threshold of kernels/line
 
 Compile time (docs/cold_start.md): the run mode (f32 / bf16) and "may any product go parallel"
 are compile-time constants of the kernel, not arguments: `decoder_layer` / `context_update`
-pick one of up to eight variants (`_layer_kernel(bf16, parallel, long)`), each a closure over
-three bools that numba's dead-branch pruning folds before typing. So a one-thread f32 run never
+pick one of up to four variants (`_layer_kernel(bf16, parallel)`), each a closure over two
+bools that numba's dead-branch pruning folds before typing. So a one-thread f32 run never
 types, let alone compiles, the bf16 rounding loops, the bf16 conv or the parallel (parfor)
-drivers of the GEMV and attention, which were more than half of a cold start; and a call over
-at most attention.TILE keys (the short variant) never compiles the IR attention loops, which
-only tiles after the first take (kernels/attention.py). The variants run the same code on the
-same kernels: the same bits.
+drivers of the GEMV and attention, which were more than half of a cold start. The variants run
+the same code on the same kernels as before: the same bits.
 
 Rows: 1..GEMV_MAX_ROWS (decode, verify, draft block). A longer prefill takes the op-by-op path,
 whose GEMV hands big products to BLAS. Weights: bf16 packed into panels (kernels/panels.py);
@@ -46,7 +44,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ..numerics import bf16_to_f32, f32_to_bf16, kv_store, round_bf16
-from .attention import NO_SINKS, TILE, _attention_par, _attention_ser
+from .attention import NO_SINKS, _attention_par, _attention_ser
 from .conv import _grouped_conv_bf16, _grouped_conv_f32, uses_and_arm
 from .linear import GEMV_MAX_ROWS
 from ..quant.weights import gemv_weights, in_features, panel_columns, weight_size
@@ -188,15 +186,15 @@ def _conv_prepare(x, proj, base, taps, group_size, block_len, and_arm, par_min_m
 
 
 @njit(inline="always")
-def _attention(q, kbuf, vbuf, q_pos, k_pos, first, causal, window, par_min_macs, parallel, bf16, long):
+def _attention(q, kbuf, vbuf, q_pos, k_pos, first, causal, window, par_min_macs, parallel, bf16):
     """kernels/attention.attention on q [n, nh, hd] over rows first..T-1 of kbuf / vbuf
-    (parallel, long: compile-time constants; long None (the short variants) needs T <= TILE)."""
+    (parallel: compile-time constant, as in `_linear`)."""
     out = np.empty(q.shape, np.float32)
     T = k_pos.shape[0]
     if parallel and q.size * T >= par_min_macs:
-        _attention_par(q, kbuf, vbuf, q_pos, k_pos, first, T, causal, window, _runtime_bool(bf16), NO_SINKS, out, long)
+        _attention_par(q, kbuf, vbuf, q_pos, k_pos, first, T, causal, window, _runtime_bool(bf16), NO_SINKS, out)
     else:
-        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, first, T, causal, window, _runtime_bool(bf16), NO_SINKS, out, long)
+        _attention_ser(q, kbuf, vbuf, q_pos, k_pos, first, T, causal, window, _runtime_bool(bf16), NO_SINKS, out)
     return out
 
 
@@ -215,7 +213,7 @@ def _write_kv(kbuf, vbuf, start, k, v):
 # ------------------------------------------------------------------ the layer
 @njit(inline="always")
 def attention_half(h, wqkv, wo, ln1, q_norm, k_norm, att_proj, att_base, kbuf, vbuf, start, q_pos, k_pos, cos, sin,
-                   nh, nkv, hd, conv_shape, k_at, v_at, causal, window, eps, par_min_macs, parallel, bf16, first, long):
+                   nh, nkv, hd, conv_shape, k_at, v_at, causal, window, eps, par_min_macs, parallel, bf16, first):
     """h = h + conv_finish(attention(rope(qk_norm(q, k)), K, V) Wo^T) with q, k, v from
     conv_prepare(rms(h, ln1)) (no conv when att_proj is empty), in place on h [n, H]; writes
     the block's K/V into kbuf / vbuf. The first half of every fused layer (the MoE layer of
@@ -243,7 +241,7 @@ def attention_half(h, wqkv, wo, ln1, q_norm, k_norm, att_proj, att_base, kbuf, v
     _rope_rows(k.reshape(n, nkv, hd), cos, sin, _runtime_bool(bf16), kr)
     _write_kv(kbuf, vbuf, start, kr, v)
 
-    o = _attention(qr, kbuf, vbuf, q_pos, k_pos, first, causal, window, par_min_macs, parallel, bf16, long)  # [n, nh, hd]
+    o = _attention(qr, kbuf, vbuf, q_pos, k_pos, first, causal, window, par_min_macs, parallel, bf16)  # [n, nh, hd]
     _rnd(o, bf16)
     y = _linear(o.reshape(n, nh * hd), wo, H, par_min_macs, parallel, bf16)  # [n, H]
     if has_conv:
@@ -251,11 +249,9 @@ def attention_half(h, wqkv, wo, ln1, q_norm, k_norm, att_proj, att_base, kbuf, v
     _add_residual(h, y, bf16)
 
 
-def _make_decoder_layer(bf16: bool, parallel: bool, long: bool):
-    """The decoder layer kernel for one run mode (bf16), thread policy (parallel: may a product
-    go parallel) and context (long: more than attention.TILE keys); closure constants, folded
-    before typing (module docstring)."""
-    long_ = True if long else None  # kernels/attention.py, the drivers: None prunes the IR loops
+def _make_decoder_layer(bf16: bool, parallel: bool):
+    """The decoder layer kernel for one run mode (bf16) and thread policy (parallel: may a
+    product go parallel); both are closure constants, folded before typing (module docstring)."""
 
     @njit(cache=True, nogil=True)
     def decoder_layer_kernel(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
@@ -270,7 +266,7 @@ def _make_decoder_layer(bf16: bool, parallel: bool, long: bool):
         has_conv = weight_size(att_proj) > 0
         attention_half(h, wqkv, wo, ln1, q_norm, k_norm, att_proj, att_base, kbuf, vbuf, start, q_pos, k_pos, cos,
                        sin, nh, nkv, hd, (taps, group_size, block_len, and_arm), k_at, v_at, causal, window, eps,
-                       par_min_macs, parallel, bf16, first, long_)
+                       par_min_macs, parallel, bf16, first)
 
         m = _rms(h, ln2, eps, bf16)  # [n, H]
         if has_conv:
@@ -321,9 +317,8 @@ _context_kernel = functools.cache(_make_context_update)
 
 def kernel_variants() -> list:
     """Every variant's dispatcher (made, not compiled): for kernels/cache_check.py."""
-    return ([_layer_kernel(bf16, par, long) for bf16 in (False, True) for par in (False, True)
-             for long in (False, True)]
-            + [_context_kernel(bf16, par) for bf16 in (False, True) for par in (False, True)])
+    return [make(bf16, par) for make in (_layer_kernel, _context_kernel)
+            for bf16 in (False, True) for par in (False, True)]
 
 
 def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
@@ -341,29 +336,8 @@ def decoder_layer(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos, cos,
             first column of k / v / up in its group's output
     first   the first key row attended (rows before it are masked: the draft window)
     bf16 and par_min_macs < NEVER pick the compiled variant (module docstring)."""
-    _layer_kernel(bool(bf16), par_min_macs < NEVER, is_long(k_pos))(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos,
+    _layer_kernel(bool(bf16), par_min_macs < NEVER)(h, weights, norms, conv, kbuf, vbuf, start, q_pos, k_pos,
                                                     cos, sin, shape, causal, window, eps, par_min_macs, int(first))
-
-
-def compile_long_twins(make) -> int:
-    """Compile (or load from the cache) the long-context twin of every short variant of `make`
-    (`_layer_kernel`, fused_moe._moe_kernel: (bf16, parallel, long) -> dispatcher) this process
-    has compiled, with the same signatures: a run that will cross attention.TILE keys then does
-    not compile mid-decode (the warm-up's short prompt reaches the short variants only). Returns
-    the number of signatures."""
-    n = 0
-    for bf16 in (False, True):
-        for par in (False, True):
-            for sig in make(bf16, par, False).signatures:  # making a dispatcher compiles nothing
-                make(bf16, par, True).compile(sig)
-                n += 1
-    return n
-
-
-def is_long(k_pos) -> bool:
-    """Does the call attend over more than one attention tile (T > attention.TILE keys)? Picks the
-    kernel variant that compiles the IR attention loops (kernels/attention.py, the drivers)."""
-    return k_pos.shape[0] > TILE
 
 
 def context_update(x, fc, hidden_norm, wk, wv, k_norm, kcache, vcache, start, cos, sin, nkv, hd, eps, bf16,

@@ -30,7 +30,7 @@ from numba.extending import overload
 from ..numerics import round_bf16
 from ..quant.formats import ITEM_PANELS
 from ..quant.kernels_int8 import _item as _item_quant, quantize_activations
-from .fused import NEVER, _linear, _rms, _rnd, _runtime_bool, attention_half, is_long
+from .fused import NEVER, _linear, _rms, _rnd, _runtime_bool, attention_half
 from .panels import _item as _item_bf16
 from .routing import route_rows
 from .rowwise import _swiglu_rows
@@ -115,11 +115,8 @@ def _grouped_linear(x, stack, eids, offs, N, par_min_macs, parallel, bf16):
     return y
 
 
-def _make_moe_layer(bf16: bool, parallel: bool, long: bool):
-    """The MoE layer kernel for one run mode, thread policy and context length (closure constants,
-    as kernels/fused._make_decoder_layer)."""
-
-    long_ = True if long else None  # kernels/attention.py, the drivers: None prunes the IR loops
+def _make_moe_layer(bf16: bool, parallel: bool):
+    """The MoE layer kernel for one run mode and thread policy (closure constants)."""
 
     @njit(cache=True, nogil=True)
     def moe_layer_kernel(h, attn, moe, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape, causal, window, eps,
@@ -131,7 +128,7 @@ def _make_moe_layer(bf16: bool, parallel: bool, long: bool):
         n, H = h.shape
         attention_half(h, wqkv, wo, ln1, q_norm, k_norm, no_proj, no_base, kbuf, vbuf, start, q_pos,
                        k_pos, cos, sin, nh, nkv, hd, (0, 0, 0, 0), k_at, v_at, causal, window, eps, par_min_macs,
-                       parallel, bf16, 0, long_)
+                       parallel, bf16, 0)
 
         m = _rms(h, ln2, eps, bf16)  # [n, H]
         logits = _linear(m, router, E, par_min_macs, parallel, bf16)  # [n, E]
@@ -204,7 +201,7 @@ _moe_kernel = functools.cache(_make_moe_layer)
 
 def kernel_variants() -> list:
     """Every variant's dispatcher (made, not compiled): for kernels/cache_check.py."""
-    return [_moe_kernel(bf16, par, long) for bf16 in (False, True) for par in (False, True) for long in (False, True)]
+    return [_moe_kernel(bf16, par) for bf16 in (False, True) for par in (False, True)]
 
 
 def moe_layer(h, attn, moe, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape, causal, window, eps, bf16,
@@ -217,5 +214,5 @@ def moe_layer(h, attn, moe, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape, ca
             shared gate_up panels [2Is, H], shared down panels [H, Is], shared gate panels [1, H]);
             Is = 0 (and any panels of the right kind) when there is no shared expert
     shape  (nh, nkv, hd, k_at, v_at, E, top_k, renormalize 0/1, I, Is) ints"""
-    _moe_kernel(bool(bf16), par_min_macs < NEVER, is_long(k_pos))(h, attn, moe, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
+    _moe_kernel(bool(bf16), par_min_macs < NEVER)(h, attn, moe, kbuf, vbuf, start, q_pos, k_pos, cos, sin, shape,
                                                   causal, window, eps, par_min_macs)
