@@ -1,0 +1,47 @@
+"""bench/roofline.py's pieces: the peak probes really run their loop (time grows with the steps,
+so LLVM removed nothing), and the streamed weights are distinct copies of the stated size."""
+
+import time
+
+import numpy as np
+
+from dflash2_numba.kernels import isa
+
+from bench_scripts import load_bench
+
+
+def test_probe_time_grows_with_the_steps():
+    rl = load_bench("roofline.py", "roofline")
+    for kind in sorted(set(rl.peak_kinds().values())):
+        probe, _, macs = rl._probe(kind)
+        probe(10)  # compile
+        times = {}
+        for n in (1 << 18, 1 << 21):
+            best = np.inf
+            for _ in range(3):
+                t = time.perf_counter()
+                probe(n)
+                best = min(best, time.perf_counter() - t)
+            times[n] = best
+        assert times[1 << 21] > 4 * times[1 << 18], (kind, times)  # 8x the steps: well over 4x the time
+        assert macs in (4, 8, 16, 32, 64)
+
+
+def test_peak_kinds_follow_the_path():
+    rl = load_bench("roofline.py", "roofline")
+    kinds = rl.peak_kinds()
+    assert kinds["bf16"] == "fma"
+    want = {"avx512_vnni": "vnni512", "avx_vnni": "vnni256", "avx2": "int8_avx2"}.get(isa.selected())
+    assert kinds.get("q8_0") == want and kinds.get("q4_0") == want
+
+
+def test_weights_are_distinct_copies(monkeypatch):
+    rl = load_bench("roofline.py", "roofline")
+    monkeypatch.setattr(rl, "SHAPE", (64, 64))
+    monkeypatch.setattr(rl, "STREAM_BYTES", 1 << 18)
+    for fmt in ("bf16", "q8_0", "q4_0"):
+        copies, nbytes = rl.weights(fmt, np.random.default_rng(0))
+        first = copies[0] if fmt == "bf16" else copies[0][0]
+        assert len(copies) == max(1, rl.STREAM_BYTES // nbytes) >= 2
+        second = copies[1] if fmt == "bf16" else copies[1][0]
+        assert np.array_equal(first, second) and not np.shares_memory(first, second)
