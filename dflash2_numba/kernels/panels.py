@@ -27,10 +27,14 @@ rows gives bit for bit the logits of 8 single-row steps (tests/test_panels.py ch
 the result differs from the row-layout kernel (a reassociated vector sum) only by rounding.
 
 Tiles are sized per register file (kernels/isa.py, what numba compiles for):
-- 512-bit (32 zmm): <16 x float> vectors; rows in groups of 4 against 2 panels (4 x 64
-  accumulators = 16 zmm), then 2 rows x 4 panels, then 1 row x 4 panels. Measured on one
-  AVX-512 core (bench/bench_gemv.py) 4x2 beat 8x1 and 8x2: two weight streams per k-step, and
-  the x broadcasts are loads, not FMAs.
+- 512-bit (32 zmm): <16 x float> vectors; rows in groups of 8 against 1 panel (8 x 32
+  accumulators = 16 zmm), then groups of 4 against 2 panels (16 zmm), then 2 rows x 4 panels,
+  then 1 row x 4 panels. The 8x1 tile reads each panel from memory once for 8 rows; with 4x2
+  tiles only (the earlier choice: on cache-resident shapes 4x2 had beaten 8x1) the second group
+  of 4 rows re-read the panels from L2 after the first had streamed them, so reading and FMAs
+  overlapped less: streamed [2048, 2048], 8 rows, three alternating runs each, 1 thread
+  1130-1232 -> 1059-1100 us (1.80-1.89 -> 1.56-1.64x one row), 2 threads 627-712 -> 590-622 us
+  (bench/roofline.py, docs/roofline.md).
 - 256-bit (16 ymm: AVX2, AVX-VNNI) and narrower: <8 x float> vectors over HALF a panel (lanes
   0..7 or 8..15: columns 0..7 + 16..23, or 8..15 + 24..31). 4 rows x half a panel is 8 ymm
   accumulators + 2 weight vectors + 1 broadcast, which fits 16 registers with no spill (the
@@ -219,6 +223,7 @@ def _tile(R: int, C: int, prefetch_steps: int = 0, V: int = LANES):
 WIDE = isa.vector_bits() >= 512  # the register file numba compiles for: 32 zmm, or 16 ymm / xmm
 if WIDE:
     _tile_4x2 = _tile(4, 2, PREFETCH_STEPS)
+    _tile_8x1 = _tile(8, 1, PREFETCH_STEPS)
     _tile_2x4 = _tile(2, 4, PREFETCH_STEPS)
     _tile_1x4 = _tile(1, 4, PREFETCH_STEPS)
 else:  # half-panel tiles of <8 x float>: 8 accumulators each (see the module docstring)
@@ -233,9 +238,13 @@ def _item_wide(x, panels, scratch, p0):
     """512-bit tiles: 4x2 over every group of 4 rows (the pair of panels stays in cache), then
     2x4, then 1x4. scratch [M, 128] <- the item's padded columns."""
     M = x.shape[0]
+    full8 = M - M % 8
+    for p in range(ITEM_PANELS):
+        for m0 in range(0, full8, 8):
+            _tile_8x1(x, m0, panels, p0 + p, 0, scratch, p * PANEL_COLS)
     full = M - M % 4
     for half in range(2):
-        for m0 in range(0, full, 4):
+        for m0 in range(full8, full, 4):
             _tile_4x2(x, m0, panels, p0 + 2 * half, 0, scratch, half * 2 * PANEL_COLS)
     m0 = full
     if M - m0 >= 2:
