@@ -287,14 +287,13 @@ class Decoding:
         self.stats.draft_s += self._t1 - self._t0
         self.stats.verify_s += t2 - self._t1
         self.stats.record_step(self.Bv, a, self._drafted)
-        catch_up = self._drafted and self._ctx_n > self.Q  # fed more than a block of context (the prompt's)
+        # a draft step that fed more than a block of context (the prompt's) is not a typical step
+        catch_up = self._drafted and self._ctx_n > self.Q
         if catch_up:
             self.stats.catch_up_steps += 1
             self.stats.catch_up_draft_s += self._t1 - self._t0
-        if self.width is not None:
-            # a draft step that fed more than a block of context (the prompt's) is not a typical step
-            draft_s = self._t1 - self._t0 if self._ctx_n <= self.Q else None
-            self.width.observe(self.Bv - 1, a, self._drafted, draft_s, t2 - self._t1)
+        if self.width is not None:  # (the rules read draft_s on drafted steps only)
+            self.width.observe(self.Bv - 1, a, self._drafted, None if catch_up else self._t1 - self._t0, t2 - self._t1)
         step = self._commit([int(d) for d in self._drafts[:a]] + [x], a)
         self._score(step, logits)  # row j: the distribution of the j-th committed token
         self.stats.decode_s += time.perf_counter() - self._t0

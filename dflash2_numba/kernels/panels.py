@@ -235,8 +235,8 @@ else:  # half-panel tiles of <8 x float>: 8 accumulators each (see the module do
 # ------------------------------------------------------------------ drivers
 @njit(inline="always")
 def _item_wide(x, panels, scratch, p0):
-    """512-bit tiles: 4x2 over every group of 4 rows (the pair of panels stays in cache), then
-    2x4, then 1x4. scratch [M, 128] <- the item's padded columns."""
+    """512-bit tiles: 8x1 over every group of 8 rows (each panel streamed once for them), 4x2
+    over a remaining group of 4, then 2x4, then 1x4. scratch [M, 128] <- the item's padded columns."""
     M = x.shape[0]
     full8 = M - M % 8
     for p in range(ITEM_PANELS):
