@@ -36,10 +36,12 @@ Tiles are sized per register file (kernels/isa.py, what numba compiles for):
   1130-1232 -> 1059-1100 us (1.80-1.89 -> 1.56-1.64x one row), 2 threads 627-712 -> 590-622 us
   (bench/roofline.py, docs/roofline.md).
 - 256-bit (16 ymm: AVX2, AVX-VNNI) and narrower: <8 x float> vectors over HALF a panel (lanes
-  0..7 or 8..15: columns 0..7 + 16..23, or 8..15 + 24..31). 4 rows x half a panel is 8 ymm
-  accumulators + 2 weight vectors + 1 broadcast, which fits 16 registers with no spill (the
-  512-bit 4x2 tile needs 32 ymm accumulators on AVX2 and spilled: ~1/3 of FMA peak). Remainders:
-  2 rows x 2 half-panels, 1 row x 4 half-panels (8 accumulators each).
+  0..7 or 8..15: columns 0..7 + 16..23, or 8..15 + 24..31). 6 rows x half a panel is 12 ymm
+  accumulators + 2 weight vectors + 1 broadcast + the mask: all 16 registers, no spill, and
+  12 independent FMA chains hide the FMA latency that 8 do not (the 512-bit 4x2 tile needs 32
+  ymm accumulators on AVX2 and spilled: ~1/3 of FMA peak). In cache, [256, 2048]: 4 rows x half
+  a panel 24.0-26.8 GMAC/s, 6 rows 28.7-30.5 (1 thread, peak 40). Then a group of 4 rows (8
+  accumulators); remainders 2 rows x 2 half-panels, 1 row x 4 half-panels (8 accumulators each).
 The tile shape never changes an output's chain (one fma per k, in order), so every path gives
 the same bits.
 """
@@ -123,14 +125,18 @@ def group_panels(weights: list) -> tuple:
 
 
 # ------------------------------------------------------------------ micro-kernels (LLVM IR)
-def _tile(R: int, C: int, prefetch_steps: int = 0, V: int = LANES):
+def _tile(R: int, C: int, prefetch_steps: int = 0, V: int = LANES, far: bool = False):
     """An intrinsic tile(x, m0, panels, p0, lane0, y, ycol): for rows m0..m0+R-1 of x [M, K],
     panels p0..p0+C-1 and lanes lane0..lane0+V-1 of each (V = LANES: the whole panel),
     y[m0 + r, ycol + 32c + j] = sum_k x[m0 + r, k] * w(panel p0 + c, k, j) as one fma chain over
     k, for the columns j = lane0 + i and 16 + lane0 + i (i < V) the lanes hold. x, panels, y
     C-contiguous; y [>= m0+R, >= ycol+32C] f32.
     prefetch_steps > 0: each k-step also prefetches its panels that many k-steps ahead (a
-    prefetch past the end of the array is harmless: it never faults)."""
+    prefetch past the end of the array is harmless: it never faults).
+    far: each k-step also prefetches the same k-step of the C panels AFTER this tile's into the
+    outer caches (prefetcht2), so the next panels stream in from memory while this tile's FMAs
+    run, not only in the first pass over them (a multi-row tile's passes after the first read
+    from L2 and would otherwise leave the memory idle)."""
 
     @intrinsic
     def tile(typingctx, x, m0, panels, p0, lane0, y, ycol):
@@ -183,6 +189,10 @@ def _tile(R: int, C: int, prefetch_steps: int = 0, V: int = LANES):
                     ahead = builder.gep(w0, [builder.add(at, const(prefetch_steps * LANES))])
                     builder.call(prefetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()),
                                             ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                if far:  # panel p0 + C + c, the same k-step: locality 1 (prefetcht2)
+                    ahead = builder.gep(w0, [builder.add(at, builder.mul(const(C), panel_words))])
+                    builder.call(prefetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()),
+                                            ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
                 lanes = builder.load(builder.bitcast(builder.gep(w0, [at]), vi.as_pointer()), align=4)
                 weights.append(builder.bitcast(builder.shl(lanes, lo_shift), vf))  # columns lane0 + i
                 weights.append(builder.bitcast(builder.and_(lanes, hi_mask), vf))  # columns 16 + lane0 + i
@@ -221,13 +231,19 @@ def _tile(R: int, C: int, prefetch_steps: int = 0, V: int = LANES):
 
 
 WIDE = isa.vector_bits() >= 512  # the register file numba compiles for: 32 zmm, or 16 ymm / xmm
+# `far` (prefetch the next panels too) where a panel is read by several passes or by 8 rows:
+# streamed [2048, 2048], alternating processes (docs/roofline.md, session 8), 8 rows: 512-bit
+# 1 thread -7%, 2 threads -9%; 256-bit with the 6-row tile 1 thread -10..-20%, 2 threads -3..-10%.
+# The 512-bit 4x2 tile (4 rows, where an item's 4 panels are read once each) measured no gain
+# (2 threads +6%, within noise) and keeps one stream, as do the 1- and 2-row tiles (memory-bound)
 if WIDE:
     _tile_4x2 = _tile(4, 2, PREFETCH_STEPS)
-    _tile_8x1 = _tile(8, 1, PREFETCH_STEPS)
+    _tile_8x1 = _tile(8, 1, PREFETCH_STEPS, far=True)
     _tile_2x4 = _tile(2, 4, PREFETCH_STEPS)
     _tile_1x4 = _tile(1, 4, PREFETCH_STEPS)
-else:  # half-panel tiles of <8 x float>: 8 accumulators each (see the module docstring)
-    _tile_4x1h = _tile(4, 1, PREFETCH_STEPS, LANES // 2)
+else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module docstring)
+    _tile_6x1h = _tile(6, 1, PREFETCH_STEPS, LANES // 2, far=True)
+    _tile_4x1h = _tile(4, 1, PREFETCH_STEPS, LANES // 2, far=True)
     _tile_2x2h = _tile(2, 2, PREFETCH_STEPS, LANES // 2)
     _tile_1x4h = _tile(1, 4, PREFETCH_STEPS, LANES // 2)
 
@@ -256,13 +272,16 @@ def _item_wide(x, panels, scratch, p0):
 
 @njit(inline="always")
 def _item_narrow(x, panels, scratch, p0):
-    """256-bit tiles: per panel and lane half, 4 rows at a time; then 2 rows x 2 panels and
-    1 row x 4 panels per lane half."""
+    """256-bit tiles: per panel and lane half, 6 rows at a time, then a group of 4; then 2 rows
+    x 2 panels and 1 row x 4 panels per lane half."""
     M = x.shape[0]
-    full = M - M % 4
+    full6 = M - M % 6
+    full = full6 + (M - full6) // 4 * 4
     for p in range(ITEM_PANELS):
         for lane0 in range(0, LANES, LANES // 2):
-            for m0 in range(0, full, 4):
+            for m0 in range(0, full6, 6):
+                _tile_6x1h(x, m0, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
+            for m0 in range(full6, full, 4):
                 _tile_4x1h(x, m0, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
     m0 = full
     if M - m0 >= 2:
