@@ -136,12 +136,14 @@ def ir_half_to_float(builder, h, vi, vf):
 
 
 # ------------------------------------------------------------------ micro-kernel (LLVM IR)
-def _tile(R: int, G: int, fmt: str, P: int = 1):
+def _tile(R: int, G: int, fmt: str, P: int = 1, far: bool = False):
     """An intrinsic tile(xq, xs, xc, m0, qw, ws, p, col0, y, ycol): rows m0..m0+R-1, columns
     col0 .. col0 + G*V - 1 of panels p .. p+P-1 -> y[m0 + r, ycol + 32 pp + col0 + j] (f32, the
     epilogue of the module docstring). xq [M, Kp] int8, xs [M, nb] f32, xc [M, nb] int32, qw / ws
     the panels, y f32, all C. P > 1 (the one-row tile): the P panels are read side by side, P
-    memory streams in flight instead of one; each column's arithmetic is unchanged."""
+    memory streams in flight instead of one; each column's arithmetic is unchanged.
+    far: each block also prefetches (prefetcht2) the column group's share of the same block in
+    the NEXT panel (P = 1 tiles only)."""
     q4 = fmt == "q4_0"
     raw_nibbles = q4 and MODE != "generic"  # the nibbles (q + 8) are the unsigned operand as stored
     steps = 4 if q4 else 8  # loads per 32-block and group: a q4 load holds two k-quads
@@ -252,6 +254,14 @@ def _tile(R: int, G: int, fmt: str, P: int = 1):
                 for line in range(0, steps * PANEL_COLS * 4, 64):  # read, high locality, data cache
                     builder.call(prefetch, [builder.gep(wblock, [const(PREFETCH_BYTES + line)]),
                                             ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            if far:  # this block of the NEXT panel, into the outer caches: the column group at col0
+                # takes its share of the block's lines (col0 / V of PANEL_COLS / V shares)
+                share = steps * PANEL_COLS * 4 // (PANEL_COLS // V)
+                nxt = builder.gep(wblocks[0], [builder.sub(panel_bytes, builder.mul(col0, const(4)))])
+                for line in range(0, share, 64):
+                    at = builder.add(builder.mul(col0, const(share // V)), const(line))
+                    builder.call(prefetch, [builder.gep(nxt, [at]),
+                                            ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
             for step in range(steps):
                 loads = []
                 for g in range(G):  # group g = panel g // (G / P), its columns (g % (G / P)) * V ...
@@ -328,7 +338,14 @@ _G = GROUP_COLS // V
 # row, 1 thread, from memory, q4_0 +10-20%, q8_0 +10-15%, bench/quant_stream.py); the 16-register
 # 256-bit paths keep one panel (4 panels there spill and lose ~25% in cache)
 _T1P = ITEM_PANELS if MODE == "vnni512" else 1
-_tiles = {fmt: (_tile(4, _G, fmt), _tile(2, _G, fmt), _tile(1, _T1P * _G, fmt, _T1P))
+# `far` where a panel is read by several column-group passes (the 256-bit and generic paths: 4
+# groups of 8 columns): the 2- and 4-row tiles also prefetch the next panel's block, each group
+# its quarter, so the memory streams during all the passes, not only the first. Streamed
+# [2048, 2048], `DFLASH2_ISA=avx2`, 1 thread, in-process medians (docs/roofline.md, session 8):
+# q8_0 2 / 4 / 6 / 8 / 16 rows -6 / -19 / -8 / -12 / -3 %, q4_0 4 / 8 rows -12 / -3 %. On AVX-512
+# (one pass over the whole panel) it measured within the noise, and is off
+_FAR = GROUP_COLS < PANEL_COLS
+_tiles = {fmt: (_tile(4, _G, fmt, far=_FAR), _tile(2, _G, fmt, far=_FAR), _tile(1, _T1P * _G, fmt, _T1P))
           for fmt in ("q8_0", "q4_0")}
 _q8_4, _q8_2, _q8_1 = _tiles["q8_0"]
 _q4_4, _q4_2, _q4_1 = _tiles["q4_0"]
