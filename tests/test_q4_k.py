@@ -271,10 +271,15 @@ def test_every_path_gives_the_same_bits(tmp_path):
 
 def test_compiles_for_other_instruction_sets(tmp_path):
     """Compile-only (never run) for targets this host may lack: AVX-VNNI without AVX-512
-    (Alder Lake: the ymm vpdpbusd) and AVX-512 VNNI (Ice Lake server: zmm)."""
+    (Alder Lake: the ymm vpdpbusd) and AVX-512 VNNI (Ice Lake server: zmm). Each compiles into
+    an empty NUMBA_CACHE_DIR: numba returns no assembly for a kernel it loaded from its cache, so
+    a cache warmed by an earlier run (this test's own, with the same sources) would read as
+    "no vpdpbusd"."""
     alder = HASWELL + ",+avxvnni,-avx512f,-avx512bw,-avx512vl,-avx512vnni"
-    out, _ = _run(tmp_path, {"NUMBA_CPU_NAME": "alderlake", "NUMBA_CPU_FEATURES": alder}, "compile")
+    out, _ = _run(tmp_path, {"NUMBA_CPU_NAME": "alderlake", "NUMBA_CPU_FEATURES": alder,
+                             "NUMBA_CACHE_DIR": str(tmp_path / "cache_alder")}, "compile")
     assert out.split() == ["avx_vnni", "True", "True", "False"], out
     ice = HASWELL + ",+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512cd,+avx512vnni"
-    out, _ = _run(tmp_path, {"NUMBA_CPU_NAME": "icelake-server", "NUMBA_CPU_FEATURES": ice}, "compile")
+    out, _ = _run(tmp_path, {"NUMBA_CPU_NAME": "icelake-server", "NUMBA_CPU_FEATURES": ice,
+                             "NUMBA_CACHE_DIR": str(tmp_path / "cache_ice")}, "compile")
     assert out.split()[:2] == ["avx512_vnni", "True"] and out.split()[3] == "True", out
