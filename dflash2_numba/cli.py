@@ -150,7 +150,16 @@ def _quantize_option(f):
                              "(target and draft, lm_head included).")(f)
 
 
-def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False, quantize=None, kv_dtype="f32"):
+def _draft_quantize_option(f):
+    """--draft-quantize: the draft's weight format, when it should differ from the target's."""
+    return click.option("--draft-quantize", type=click.Choice(["same", "bf16", "q8_0", "q4_0", "q4_k"]),
+                        default="same", show_default=True,
+                        help="The draft's weight format: same = the target's (--quantize); bf16 keeps a draft "
+                             "as trained beside a quantized target. The output is the target's either way.")(f)
+
+
+def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False, quantize=None, kv_dtype="f32",
+          draft_quantize="same"):
     from . import api
     from .default import default_pair
     from .kernels.backend import default_threads, set_threads
@@ -162,7 +171,9 @@ def _load(target_dir, draft_dir, device, dtype, threads, need_draft=False, quant
     if need_draft and draft_dir is None:
         raise GenerationArgumentError("this command needs a draft: pass --draft DIR")
     target = api.load_target(target_dir, device=device, dtype=dtype, quantize=quantize, kv_dtype=kv_dtype)
-    draft = api.load_draft(draft_dir, target) if draft_dir is not None else None
+    if draft_quantize != "same" and draft_dir is None:
+        raise GenerationArgumentError(f"--draft-quantize {draft_quantize}: there is no draft (pass --draft DIR)")
+    draft = api.load_draft(draft_dir, target, quantize=draft_quantize) if draft_dir is not None else None
     if threads is None:  # the default: the physical cores, one thread for a small model
         set_threads(default_threads(target.checkpoint.parameter_count()))
     return target_dir, draft_dir, target, draft
@@ -259,9 +270,10 @@ class _Reply:
               help="With --chat: where the reply's reasoning goes (a thinking format's: gpt-oss's analysis channel, "
                    "Qwen3's <think>); stdout gets the answer. raw: the generated text as is, markers included.")
 @_quantize_option
+@_draft_quantize_option
 def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
               reasoning_effort, block_size, temperature, top_k, top_p, seed, max_new_tokens, stop_tokens, baseline,
-              draft_window, json_dest, reasoning, quantize, kv_dtype):
+              draft_window, json_dest, reasoning, quantize, kv_dtype, draft_quantize):
     """Generate text; stream it to stdout, statistics to stderr."""
     from .decode.loop import generate as run_generate, resolve_prompt_ids, stream_generate
     from .decode.stats import peak_rss_mb
@@ -272,7 +284,7 @@ def generate(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file,
         block_size = parse_block_size(block_size)  # "auto" | int >= 2; 2..B once the draft is known
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
         target_dir, draft_dir, target, draft = _load(target_dir, draft_dir, device, dtype, threads, quantize=quantize,
-                                                     kv_dtype=kv_dtype)
+                                                     kv_dtype=kv_dtype, draft_quantize=draft_quantize)
         ids = resolve_prompt_ids(target, prompt, ids, chat, **_template_kwargs(target, chat, think, reasoning_effort))
         kwargs = dict(max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_tokens, prompt_ids=ids,
@@ -375,8 +387,10 @@ def score(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, pr
 @_sampling_options
 @click.option("--json", "json_dest", default=None, metavar="PATH|-", help="Write the proposal object to PATH or stdout ('-').")
 @_quantize_option
+@_draft_quantize_option
 def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, prompt_ids, chat, think,
-            reasoning_effort, block_size, temperature, top_k, top_p, seed, json_dest, quantize, kv_dtype):
+            reasoning_effort, block_size, temperature, top_k, top_p, seed, json_dest, quantize, kv_dtype,
+            draft_quantize):
     """One draft proposal round, stopping before verification."""
     from .decode.loop import propose_once, resolve_prompt_ids
 
@@ -385,7 +399,7 @@ def propose(target_dir, draft_dir, device, threads, dtype, prompt, prompt_file, 
         block_size = parse_block_size(block_size)
         prompt, ids = _read_prompt(prompt, prompt_file, prompt_ids)
         _, _, target, draft = _load(target_dir, draft_dir, device, dtype, threads, need_draft=True, quantize=quantize,
-                                    kv_dtype=kv_dtype)
+                                    kv_dtype=kv_dtype, draft_quantize=draft_quantize)
         ids = resolve_prompt_ids(target, prompt, ids, chat, **_template_kwargs(target, chat, think, reasoning_effort))
         res = propose_once(target, draft, prompt_ids=ids, block_size=block_size,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -427,7 +441,7 @@ def inspect(model_dir, json_dest, no_hash):
         emit(format_inspect(report))
 
 
-main.add_command(make_serve_command(_model_options, _load, _quantize_option))  # serve/command.py
+main.add_command(make_serve_command(_model_options, _load, lambda f: _quantize_option(_draft_quantize_option(f))))  # serve/command.py
 
 
 if __name__ == "__main__":

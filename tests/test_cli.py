@@ -271,3 +271,30 @@ def test_warm_up_reaches_the_parallel_drivers(pair):
         numba.set_num_threads(before)
     assert panels._gemv_panels_par.overloads and attention._attention_par.overloads
     assert linear.PARALLEL_MIN_MACS == 1 << 18  # the threshold is restored
+
+
+def test_draft_quantize_sets_the_drafts_format_alone(pair, monkeypatch):
+    """--draft-quantize bf16 beside --quantize q8_0: the draft loads as stored, the target
+    quantized, and the output is the q8_0 target's own greedy output. Mutation: `_load` ignoring
+    the option (the draft follows --quantize) -> red."""
+    import dflash2_numba.api as api
+
+    seen = []
+    real = api.load_draft
+
+    def spy(draft_dir, target, quantize="same"):
+        d = real(draft_dir, target, quantize=quantize)
+        seen.append((quantize, getattr(d.ops, "quantize", None), getattr(target.ops, "quantize", None)))
+        return d
+
+    monkeypatch.setattr(api, "load_draft", spy)
+    r = run("generate", "--target", pair["target"], "--draft", pair["dflash2"], "--prompt-ids", IDS,
+            "--max-new-tokens", 16, "--block-size", 4, "--quantize", "q8_0", "--draft-quantize", "bf16", "--json", "-")
+    assert r.exit_code == 0, r.stderr
+    assert seen == [("bf16", None, "q8_0")]
+    ref = dn.generate(dn.load_target(pair["target"], quantize="q8_0"), None, prompt_ids=[5, 17, 200, 33],
+                      max_new_tokens=16)
+    assert json.loads(r.stdout)["output_ids"] == ref.output_ids
+    _one_line_error(run("generate", "--target", pair["target"], "--prompt", "x", "--draft-quantize", "q8_0"),
+                    "GenerationArgumentError")
+    assert all("--draft-quantize" in run(cmd, "--help").stdout for cmd in ("generate", "propose", "serve"))

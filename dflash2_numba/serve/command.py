@@ -45,7 +45,8 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
     @click.option("--max-json-depth", type=int, default=32, show_default=True,
                   help="Deepest JSON nesting a request body may have (400 past it).")
     def serve(target_dir, draft_dir, device, threads, dtype, host, port, block_size, draft_window, max_running,
-              max_waiting, shutdown_grace, max_body_mb, max_json_depth, quantize=None, kv_dtype="f32"):
+              max_waiting, shutdown_grace, max_body_mb, max_json_depth, quantize=None, kv_dtype="f32",
+              draft_quantize="same"):
         """OpenAI-compatible HTTP server (chat / completions, streamed or not) that batches requests."""
         try:
             from .engine import Engine
@@ -59,7 +60,7 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
         block_size = parse_block_size(block_size)  # "auto" | int >= 2 (BlockSizeError otherwise)
         model_id = DEFAULT_MODEL_ID if target_dir is None else Path(target_dir).resolve().name
         engine = Engine(lambda: load(target_dir, draft_dir, device, dtype, threads, quantize=quantize,
-                                     kv_dtype=kv_dtype)[2:],
+                                     kv_dtype=kv_dtype, draft_quantize=draft_quantize)[2:],
                         max_running=max_running, max_waiting=max_waiting, block_size=block_size,
                         draft_window=draft_window)
         if max_body_mb <= 0 or max_json_depth < 2:
