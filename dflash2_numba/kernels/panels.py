@@ -36,12 +36,12 @@ Tiles are sized per register file (kernels/isa.py, what numba compiles for):
   1130-1232 -> 1059-1100 us (1.80-1.89 -> 1.56-1.64x one row), 2 threads 627-712 -> 590-622 us
   (bench/roofline.py, docs/roofline.md).
 - 256-bit (16 ymm: AVX2, AVX-VNNI) and narrower: <8 x float> vectors over HALF a panel (lanes
-  0..7 or 8..15: columns 0..7 + 16..23, or 8..15 + 24..31). 6 rows x half a panel is 12 ymm
+  0..7 or 8..15: columns 0..7 + 16..23, or 8..15 + 24..31). On 256 bits, 6 rows x half a panel is 12 ymm
   accumulators + 2 weight vectors + 1 broadcast + the mask: all 16 registers, no spill, and
   12 independent FMA chains hide the FMA latency that 8 do not (the 512-bit 4x2 tile needs 32
   ymm accumulators on AVX2 and spilled: ~1/3 of FMA peak). In cache, [256, 2048]: 4 rows x half
   a panel 24.0-26.8 GMAC/s, 6 rows 28.7-30.5 (1 thread, peak 40). Then a group of 4 rows (8
-  accumulators); remainders 2 rows x 2 half-panels, 1 row x 4 half-panels (8 accumulators each).
+  accumulators; the generic path's only multi-row tile); remainders 2 rows x 2 half-panels, 1 row x 4 half-panels (8 accumulators each).
 The tile shape never changes an output's chain (one fma per k, in order), so every path gives
 the same bits.
 """
@@ -242,8 +242,12 @@ if WIDE:
     _tile_2x4 = _tile(2, 4, PREFETCH_STEPS)
     _tile_1x4 = _tile(1, 4, PREFETCH_STEPS)
 else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module docstring)
+    # the 6-row tile and `far` on the 256-bit register file only: on the generic path (SSE2, 16 xmm,
+    # 2 per <8 x float>) every tile spills and the products are compute-bound; measured there,
+    # 8 rows +2..+14 % with them, so it keeps the 4-row tile as it was
+    _SIX = isa.vector_bits() == 256
     _tile_6x1h = _tile(6, 1, PREFETCH_STEPS, LANES // 2, far=True)
-    _tile_4x1h = _tile(4, 1, PREFETCH_STEPS, LANES // 2, far=True)
+    _tile_4x1h = _tile(4, 1, PREFETCH_STEPS, LANES // 2, far=_SIX)
     _tile_2x2h = _tile(2, 2, PREFETCH_STEPS, LANES // 2)
     _tile_1x4h = _tile(1, 4, PREFETCH_STEPS, LANES // 2)
 
@@ -272,10 +276,10 @@ def _item_wide(x, panels, scratch, p0):
 
 @njit(inline="always")
 def _item_narrow(x, panels, scratch, p0):
-    """256-bit tiles: per panel and lane half, 6 rows at a time, then a group of 4; then 2 rows
-    x 2 panels and 1 row x 4 panels per lane half."""
+    """256-bit tiles: per panel and lane half, 6 rows at a time (not on the generic path), then
+    groups of 4; then 2 rows x 2 panels and 1 row x 4 panels per lane half."""
     M = x.shape[0]
-    full6 = M - M % 6
+    full6 = M - M % 6 if _SIX else 0
     full = full6 + (M - full6) // 4 * 4
     for p in range(ITEM_PANELS):
         for lane0 in range(0, LANES, LANES // 2):

@@ -338,13 +338,13 @@ _G = GROUP_COLS // V
 # row, 1 thread, from memory, q4_0 +10-20%, q8_0 +10-15%, bench/quant_stream.py); the 16-register
 # 256-bit paths keep one panel (4 panels there spill and lose ~25% in cache)
 _T1P = ITEM_PANELS if MODE == "vnni512" else 1
-# `far` where a panel is read by several column-group passes (the 256-bit and generic paths: 4
-# groups of 8 columns): the 2- and 4-row tiles also prefetch the next panel's block, each group
-# its quarter, so the memory streams during all the passes, not only the first. Streamed
-# [2048, 2048], `DFLASH2_ISA=avx2`, 1 thread, in-process medians (docs/roofline.md, session 8):
-# q8_0 2 / 4 / 6 / 8 / 16 rows -6 / -19 / -8 / -12 / -3 %, q4_0 4 / 8 rows -12 / -3 %. On AVX-512
-# (one pass over the whole panel) it measured within the noise, and is off
-_FAR = GROUP_COLS < PANEL_COLS
+# `far` on the 256-bit paths, where a panel is read by 4 column-group passes (8 columns each):
+# the 2- and 4-row tiles also prefetch the next panel's block, each group its quarter, so the
+# memory streams during all the passes, not only the first. Streamed [2048, 2048],
+# `DFLASH2_ISA=avx2`, 1 thread, in-process medians (docs/roofline.md, session 8): q8_0 2 / 4 / 6 /
+# 8 / 16 rows -6 / -19 / -8 / -12 / -3 %, q4_0 4 / 8 rows -12 / -3 %. Off on AVX-512 (one pass
+# over the whole panel: within the noise) and on the generic path (compute-bound: +-1 %)
+_FAR = MODE in ("avx2", "vnni256")
 _tiles = {fmt: (_tile(4, _G, fmt, far=_FAR), _tile(2, _G, fmt, far=_FAR), _tile(1, _T1P * _G, fmt, _T1P))
           for fmt in ("q8_0", "q4_0")}
 _q8_4, _q8_2, _q8_1 = _tiles["q8_0"]
