@@ -139,20 +139,23 @@ def _read_prompt(prompt, prompt_file, prompt_ids):
     return prompt, None
 
 
+WEIGHT_FORMATS = ("bf16", "q8_0", "q4_0", "q4_k")  # --quantize / --draft-quantize
+
+
 def _quantize_option(f):
     """--quantize (the weight format) and --kv-dtype (the KV cache's): how the model is held."""
     f = click.option("--kv-dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
                      help="KV cache element type (target and draft): bf16 halves the bytes attention reads at long "
                           "context; its logits differ from f32's by the rounding of K and V (docs/long_context.md). "
                           "CPU only.")(f)
-    return click.option("--quantize", type=click.Choice(["bf16", "q8_0", "q4_0", "q4_k"]), default="bf16", show_default=True,
+    return click.option("--quantize", type=click.Choice(WEIGHT_FORMATS), default="bf16", show_default=True,
                         help="Weight format: bf16 = as stored; q8_0 / q4_0 / q4_k = llama.cpp's blocks, quantized at load "
                              "(target and draft, lm_head included).")(f)
 
 
 def _draft_quantize_option(f):
     """--draft-quantize: the draft's weight format, when it should differ from the target's."""
-    return click.option("--draft-quantize", type=click.Choice(["same", "bf16", "q8_0", "q4_0", "q4_k"]),
+    return click.option("--draft-quantize", type=click.Choice(("same",) + WEIGHT_FORMATS),
                         default="same", show_default=True,
                         help="The draft's weight format: same = the target's (--quantize); bf16 keeps a draft "
                              "as trained beside a quantized target. The output is the target's either way.")(f)
