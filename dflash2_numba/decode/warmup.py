@@ -17,10 +17,13 @@ import time
 from contextlib import contextmanager
 
 import numba
+import numpy as np
 
+from ..kernels import background_compile
 from ..kernels import linear as linear_kernels
 from ..kernels.linear import GEMV_MAX_ROWS
 from ..kernels.cache_check import kernel_cache_is_cold, kernels_compiled
+from ..numerics import KV_DTYPES
 
 @contextmanager
 def parallel_threshold(macs: int | None):
@@ -44,6 +47,18 @@ def _warm_prompt_rows(prompt_ids) -> int:
     if prompt_ids is not None and 1 <= len(prompt_ids) <= GEMV_MAX_ROWS:
         return len(prompt_ids)
     return GEMV_MAX_ROWS + 1
+
+
+def _has_sinks(target) -> bool:
+    """Attention sinks (gpt-oss): its attention kernel takes a per-head array instead of none."""
+    return any(isinstance(layer, dict) and "sinks" in layer for layer in getattr(target, "layers", ()))
+
+
+def _context_update(draft, n: int) -> None:
+    """The draft's context update of n rows of zero taps into a scratch state: compiles the kernel
+    (and the products, norms and RoPE it calls) with the types a run passes."""
+    c = draft.config
+    draft.extend_context(draft.new_state(n), np.zeros((n, c.n_taps * c.hidden_size), np.float32), 0, list(range(n)))
 
 
 NOTICE = "compiling numba kernels (first run only: they are cached for later runs) ..."
@@ -72,10 +87,16 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
     kw.update(prompt_ids=ids, max_new_tokens=Q + 1)  # the prefill token, then one Q-row step
     if auto:  # warm the full-width path (auto may not draft at all in a 2-step run)
         kw.update(block_size=Q)
+    threads = numba.get_num_threads() > 1
+    if getattr(target.ops, "device", "cpu") == "cpu":  # a cold cache: attention compiles in a second process
+        child = background_compile.start(KV_DTYPES[getattr(target, "kv_dtype", "f32")], _has_sinks(target), threads)
+        if child.process is not None and draft is not None:  # meanwhile: the draft's context update (needs no attention)
+            _context_update(draft, len(ids))
+        child.wait()
     # the parallel drivers run only above a size threshold that a short prompt never reaches (a
     # long context does, mid-run): with more than one thread, a second pass with the threshold
     # at 0 compiles them too
-    for threshold in (None, 0) if numba.get_num_threads() > 1 else (None,):
+    for threshold in (None, 0) if threads else (None,):
         with parallel_threshold(threshold):
             if draft is not None:
                 generate(target, draft, **kw)

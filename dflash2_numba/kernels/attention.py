@@ -341,6 +341,7 @@ def _attention_ser(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, 
 
 
 NO_SINKS = np.empty(0, np.float32)
+NO_SINKS.flags.writeable = False  # read-only, as numba types the global inside the fused layer: one signature
 
 
 def attention(q, k, v, q_pos, k_pos, causal=True, window=0, bf16_probs=False, out=None, first=0, sinks=None):
