@@ -88,9 +88,9 @@ def test_the_warm_up_waits_for_the_child_before_the_first_layer(pair, monkeypatc
 
     handle = background_compile.BackgroundCompile(Child())
     monkeypatch.setattr(background_compile, "start", lambda *a: handle)
-    monkeypatch.setattr(warmup, "_context_update", lambda draft, n: events.append("context"))
+    monkeypatch.setattr(warmup, "_meanwhile", lambda draft, n, kw: events.append("meanwhile"))
     monkeypatch.setattr(loop, "generate", lambda *a, **k: events.append("generate"))
     target = dn.load_target(pair["target"])
     draft = dn.load_draft(pair["dflash2"], target)
     warmup.warm_up(target, draft, prompt_ids=[5, 17], max_new_tokens=4, block_size=4)
-    assert events[:3] == ["context", "wait", "generate"]
+    assert events[:3] == ["meanwhile", "wait", "generate"]

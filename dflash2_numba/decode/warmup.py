@@ -22,6 +22,8 @@ import numpy as np
 from ..kernels import background_compile
 from ..kernels import linear as linear_kernels
 from ..kernels.linear import GEMV_MAX_ROWS
+from ..kernels.conv import grouped_conv
+from ..kernels.rowwise import swiglu
 from ..kernels.cache_check import kernel_cache_is_cold, kernels_compiled
 from ..numerics import KV_DTYPES
 
@@ -54,11 +56,24 @@ def _has_sinks(target) -> bool:
     return any(isinstance(layer, dict) and "sinks" in layer for layer in getattr(target, "layers", ()))
 
 
-def _context_update(draft, n: int) -> None:
-    """The draft's context update of n rows of zero taps into a scratch state: compiles the kernel
-    (and the products, norms and RoPE it calls) with the types a run passes."""
-    c = draft.config
+def _meanwhile(draft, n: int, kw: dict) -> None:
+    """Kernels the first layer does not need, compiled while attention compiles in the second
+    process (kernels/background_compile.py), with the types a run passes: the draft's context
+    update of n rows (and the products, norms and RoPE it calls) into a scratch state, the
+    proposal's selector on zero logits with the run's sampling, SwiGLU, a DFlash2 draft's f32 conv."""
+    from .sampling import SamplingParams
+
+    c, target = draft.config, draft.target
     draft.extend_context(draft.new_state(n), np.zeros((n, c.n_taps * c.hidden_size), np.float32), 0, list(range(n)))
+    sampling = SamplingParams(kw.get("temperature", 0.0), kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("seed"))
+    rows = draft.block_size - 1  # [Q-1] mask rows
+    draft.proposal_from(np.zeros((rows, c.hidden_size), np.float32), np.zeros((rows, target.config.vocab_size), np.float32),
+                        0, n, sampling, np.random.default_rng(0))
+    swiglu(np.zeros((1, 16), np.float32), np.zeros((1, 16), np.float32))
+    if getattr(draft, "taps", 0) and not draft.bf16:  # x [1, H = group_size], delta [1, taps, G = 1], base [taps, H]
+        taps, size = draft.taps, draft.group_size
+        grouped_conv(np.zeros((1, size), np.float32), np.zeros((1, taps, 1), np.float32),
+                     np.zeros((taps, size), np.float32), size, 1)
 
 
 NOTICE = "compiling numba kernels (first run only: they are cached for later runs) ..."
@@ -90,8 +105,8 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
     threads = numba.get_num_threads() > 1
     if getattr(target.ops, "device", "cpu") == "cpu":  # a cold cache: attention compiles in a second process
         child = background_compile.start(KV_DTYPES[getattr(target, "kv_dtype", "f32")], _has_sinks(target), threads)
-        if child.process is not None and draft is not None:  # meanwhile: the draft's context update (needs no attention)
-            _context_update(draft, len(ids))
+        if child.process is not None and draft is not None:
+            _meanwhile(draft, len(ids), kw)
         child.wait()
     # the parallel drivers run only above a size threshold that a short prompt never reaches (a
     # long context does, mid-run): with more than one thread, a second pass with the threshold
