@@ -11,7 +11,8 @@ nothing): speculative batched (--max-running = the largest client count), specul
 turn, c client threads send max(4, c) streamed greedy completions (held-out prompts cut to
 --prompt-tokens tokens) and the bench records aggregate tok/s (completion tokens / wall time),
 per-request tok/s, time to first token and inter-token latency ((last - first chunk) / (tokens - 1)).
-Configurations alternate inside every round, so machine noise hits them alike. Every server's
+Configurations alternate inside every round (in reverse order every other round, so none is
+always first after the previous cell), so machine noise hits them alike. Every server's
 greedy text must be the same for the same prompt (checked). On a shared machine the wall clock
 mostly measures the neighbours, so the bench also reports tokens per CPU-second of the server
 process (user + system, all its threads, from /proc): with one kernel thread that is the
@@ -234,7 +235,8 @@ def throughput(args) -> None:
                 bodies = [{"model": "x", "prompt": ids[(rnd * 17 + c * 5 + i) % len(ids)], "max_tokens": args.max_tokens,
                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
                           for i in range(n)]
-                for name, srv in servers.items():
+                order = list(servers.items())  # every other round the other way round: no server always goes first
+                for name, srv in (order if rnd % 2 == 0 else order[::-1]):
                     if name.endswith("R=1") and c not in solo_clients:
                         continue
                     model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]

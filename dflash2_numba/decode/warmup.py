@@ -25,6 +25,7 @@ from ..kernels.linear import GEMV_MAX_ROWS
 from ..kernels.conv import grouped_conv
 from ..kernels.rowwise import swiglu
 from ..kernels.cache_check import kernel_cache_is_cold, kernels_compiled
+from ..models.draft import DFlashDraft
 from ..numerics import KV_DTYPES
 
 @contextmanager
@@ -105,9 +106,11 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
     threads = numba.get_num_threads() > 1
     if getattr(target.ops, "device", "cpu") == "cpu":  # a cold cache: attention compiles in a second process
         child = background_compile.start(KV_DTYPES[getattr(target, "kv_dtype", "f32")], _has_sinks(target), threads)
-        if child.process is not None and draft is not None:
-            _meanwhile(draft, len(ids), kw)
-        child.wait()
+        try:
+            if child.process is not None and isinstance(draft, DFlashDraft):
+                _meanwhile(draft, len(ids), kw)
+        finally:
+            child.wait()
     # the parallel drivers run only above a size threshold that a short prompt never reaches (a
     # long context does, mid-run): with more than one thread, a second pass with the threshold
     # at 0 compiles them too
