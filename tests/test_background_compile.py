@@ -52,6 +52,7 @@ print(json.dumps({"misses": sum(st.cache_misses.values()), "hits": sum(st.cache_
 """
 
 
+@pytest.mark.skipif(background_compile._cpus() < 2, reason="one CPU: no child is started")
 def test_a_cold_run_loads_attention_compiled_by_the_child(pair, tmp_path):
     """An empty kernel cache: the warm-up's child compiles attention, the run itself only loads it
     (one cache hit, no miss). Red on a child that is not started or not waited for, or that
@@ -64,12 +65,15 @@ def test_a_cold_run_loads_attention_compiled_by_the_child(pair, tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"misses": 0, "hits": 1}
 
 
-def test_no_child_on_a_warm_cache_or_when_switched_off(pair, monkeypatch):
+def test_no_child_on_a_warm_cache_on_one_cpu_or_when_switched_off(pair, monkeypatch):
     from dflash2_numba.kernels import cache_check
 
     monkeypatch.setattr(cache_check, "kernel_cache_is_cold", lambda: False)
     assert background_compile.start(np.float32, False, False).process is None
     monkeypatch.setattr(cache_check, "kernel_cache_is_cold", lambda: True)
+    monkeypatch.setattr(background_compile, "_cpus", lambda: 1)
+    assert background_compile.start(np.float32, False, False).process is None
+    monkeypatch.setattr(background_compile, "_cpus", lambda: 2)
     monkeypatch.setenv(background_compile.ENV_SWITCH, "0")
     assert background_compile.start(np.float32, False, False).process is None
 

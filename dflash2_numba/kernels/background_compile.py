@@ -89,11 +89,21 @@ def _cache_writable(parallel: bool) -> bool:
     return True
 
 
+def _cpus() -> int:
+    """CPUs this process may run on (one: a second process would only take turns with it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def start(kv_dtype, sinks: bool, parallel: bool) -> BackgroundCompile:
-    """Start the child when the kernel cache is cold and can be written; else a no-op handle."""
+    """Start the child when the kernel cache is cold and can be written and this process may use
+    more than one CPU; else a no-op handle."""
     from .cache_check import kernel_cache_is_cold
 
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not kernel_cache_is_cold() or not _cache_writable(parallel):
+    if (os.environ.get(ENV_SWITCH, "1") == "0" or _cpus() < 2 or not kernel_cache_is_cold()
+            or not _cache_writable(parallel)):
         return BackgroundCompile(None)
     spec = json.dumps({"kv_dtype": np.dtype(kv_dtype).name, "sinks": bool(sinks), "parallel": bool(parallel)})
     try:
