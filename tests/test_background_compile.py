@@ -27,11 +27,22 @@ def pair(tmp_path_factory):
 def test_the_childs_signature_is_the_one_the_fused_layer_and_the_op_by_op_path_use(pair, kv_dtype):
     """Red when the child's arguments drift from the run's types (e.g. a writeable NO_SINKS: the
     fused layer types its global as read-only): the child would then compile a kernel the run
-    never loads."""
+    never loads. A layer loaded from the disk cache does not type its callees, so the layer's
+    body is typed afresh here (an uncached copy of each variant the run used, compiled for the
+    run's signatures): that asks `_attention_ser` for exactly the types the layer passes."""
+    from dflash2_numba.kernels import fused
+
     target = dn.load_target(pair["target"], kv_dtype=kv_dtype)
     draft = dn.load_draft(pair["dflash2"], target)
     dn.generate(target, draft, prompt_ids=[5, 17, 200, 33], max_new_tokens=6, block_size=4)  # the fused layer
-    args = background_compile.attention_args(np.dtype({"f32": np.float32, "bf16": np.uint16}[kv_dtype]).name, False)
+    kv = {"f32": np.float32, "bf16": np.uint16}[kv_dtype]
+    used = [fused._layer_kernel(b, p) for b in (False, True) for p in (False, True)]
+    for kernel in (k for k in used if k.signatures):
+        fresh = numba.njit(nogil=True)(kernel.py_func)
+        for layer_sig in kernel.signatures:
+            if layer_sig[4].dtype == numba.from_dtype(kv):  # kbuf: this run's K/V dtype
+                fresh.compile(layer_sig)
+    args = background_compile.attention_args(np.dtype(kv).name, False)
     sig = tuple(numba.typeof(a) for a in args)
     assert sig in attention._attention_ser.signatures
     before = len(attention._attention_ser.signatures)

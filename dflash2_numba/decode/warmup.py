@@ -7,7 +7,8 @@ multi-row prefill, the draft's context update and a full Q-row proposal, a verif
 short prompt first (as llama.cpp warms up before it times), prints one notice when this is the
 package's first run here, and says how long compiling took. With block_size "auto" it also
 makes the verify cost table (decode/width.py: read from disk, or a sweep of well under a second
-on a small pair) before anything is timed.
+on a small pair) before anything is timed. On a cold kernel cache the attention kernels compile
+in a second process meanwhile (kernels/background_compile.py, `_meanwhile`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _meanwhile(draft, n: int, kw: dict) -> None:
 
     c, target = draft.config, draft.target
     draft.extend_context(draft.new_state(n), np.zeros((n, c.n_taps * c.hidden_size), np.float32), 0, list(range(n)))
-    sampling = SamplingParams(kw.get("temperature", 0.0), kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("seed"))
+    sampling = SamplingParams(**{k: kw[k] for k in ("temperature", "top_k", "top_p", "seed") if k in kw})
     rows = draft.block_size - 1  # [Q-1] mask rows
     draft.proposal_from(np.zeros((rows, c.hidden_size), np.float32), np.zeros((rows, target.config.vocab_size), np.float32),
                         0, n, sampling, np.random.default_rng(0))
