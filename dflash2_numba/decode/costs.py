@@ -73,8 +73,9 @@ class CostTable:
             self._off[i], self._seen[i] = self._off_all, True
         self._off[i] += weight * (delta - self._off[i])
         self._off_all += weight * (delta - self._off_all)
-        live = self.sweep_verify_s + np.where(self._seen, self._off, self._off_all)  # [B]
-        self.verify_s[:] = np.maximum.accumulate(np.maximum(live, 0.0))
+        live = np.where(self._seen, self._off, self._off_all)  # [B] offsets, then live costs
+        live += self.sweep_verify_s
+        np.maximum.accumulate(np.maximum(live, 0.0, out=live), out=self.verify_s)  # (every step: few numpy calls)
 
     def observe_draft(self, seconds: float, weight: float = 0.1) -> None:
         if self.draft_s > 0:
