@@ -35,7 +35,6 @@ from ..errors import BlockSizeError
 from .costs import CostTable, cost_cache_dir, costs_for  # noqa: F401  (the rule's API: callers import them here)
 
 AUTO = "auto"
-PROBE_SHARE = 0.015  # a re-test may cost up to this share of the plain steps' time since the last
 
 
 # ---------------------------------------------------------------- the block-size argument
@@ -135,15 +134,11 @@ class AdaptiveWidth:
     verified prefix position by position while some longer prefix, valued with this step's
     confidences up to j and past averages beyond, beats stopping. `online`: refresh the costs
     from the measured step times (off for a seeded sampled run, whose draws then depend only on
-    the cached table). A plain step still feeds the draft's context (decode/step.py).
-    Re-tests after a run of plain steps cost at most PROBE_SHARE of that run's time: on a target
-    so small that Python's share of a step decides, drafting that does not pay is not re-tried
-    every few tokens. The per-step arithmetic runs on Python floats (numpy scalars cost more
-    than the sums here on such a target)."""
+    the cached table). A plain step still feeds the draft's context (decode/step.py)."""
 
     name = AUTO
 
-    def __init__(self, costs: CostTable, B: int, online: bool = True, warm_steps: int = 1,
+    def __init__(self, costs: CostTable, B: int, online: bool = True, warm_steps: int = 3,
                  probe_every: tuple[int, ...] = (2, 4, 8, 16, 24), mean_weight: float = 0.25):
         if costs.B < B:
             raise ValueError(f"cost table for {costs.B} rows, block of {B}")
@@ -152,9 +147,8 @@ class AdaptiveWidth:
         self.mean_S = 0.7 ** np.arange(B, dtype=np.float64)  # [B] average survival S_j of drafted steps (S_0 = 1)
         self.mean_weight = mean_weight
         self.mean_seen = False
-        self.warm_left = warm_steps  # the first drafted step(s) always draft (statistics to start from)
+        self.warm_left = warm_steps  # the first drafted steps always draft (statistics to start from)
         self.probe_every, self.probe_level, self.plain_run = probe_every, 0, 0
-        self.plain_s = 0.0  # estimated seconds of the plain steps since the last drafted one
         self._buckets, self._probe = np.zeros(0, np.int64), False
         # realized tokens and seconds of recent drafted steps (exponential averages): what
         # drafting has actually paid under the current choice of k
@@ -164,7 +158,7 @@ class AdaptiveWidth:
     # -- before drafting
     def _best_value(self, S: np.ndarray, kmax: int) -> tuple[int, float]:
         """argmax_{k in 0..kmax} E(k) with survival S [>= kmax+1] (S[0] = 1) -> (k, E(k))."""
-        c, D, S = self.costs.verify_s.tolist(), self.costs.draft_s, S.tolist()
+        c, D, S = self.costs.verify_s.tolist(), self.costs.draft_s, S.tolist()  # Python floats: cheaper per step
         best_k, best = 0, 1.0 / max(c[0], 1e-12)
         tokens = 1.0
         for k in range(1, kmax + 1):
@@ -205,27 +199,17 @@ class AdaptiveWidth:
     def draft_now(self, kmax: int) -> bool:
         if self.warm_left > 0:
             return True
-        c0 = float(self.costs.verify_s[0])
-        if self.drafting_value(kmax) > 1.0 / max(c0, 1e-12):  # E(k >= 1) > E(0)
-            self.plain_run, self.plain_s, self.probe_level, self._probe = 0, 0.0, 0, False
+        if self.drafting_value(kmax) > 1.0 / max(self.costs.verify_s[0], 1e-12):  # E(k >= 1) > E(0)
+            self.plain_run, self.probe_level, self._probe = 0, 0, False
             return True
         self.plain_run += 1
-        self.plain_s += c0
-        # re-test now and then (estimates go stale) once the plain run is long enough to pay for
-        # it, unless even drafts that are always accepted could not pay for their rows
-        if self.plain_run > self.probe_every[self.probe_level] and self.plain_s * PROBE_SHARE >= self.probe_cost(kmax) \
-                and self._best_value(np.ones(kmax + 1), kmax)[0] > 0:
-            self.plain_run, self.plain_s, self._probe = 0, 0.0, True
+        # re-test now and then (estimates go stale), unless even drafts that are always accepted
+        # could not pay for their rows
+        if self.plain_run > self.probe_every[self.probe_level] and self._best_value(np.ones(kmax + 1), kmax)[0] > 0:
+            self.plain_run, self._probe = 0, True
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
             return True
         return False
-
-    def probe_cost(self, kmax: int) -> float:
-        """Seconds a re-test adds to a plain step: the draft, the context backlog it feeds (about
-        one row per plain step) and a 2-draft verify instead of one row."""
-        c = self.costs.verify_s
-        return (self.costs.draft_s + self.plain_run * self.costs.feed_s
-                + float(c[min(2, kmax, len(c) - 1)] - c[0]))
 
     # -- after drafting
     def choose(self, prop, kmax: int) -> int:
