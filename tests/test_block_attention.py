@@ -144,13 +144,17 @@ def test_head_sizes_equal_reference_and_rows_invariant(monkeypatch, hd):
                 np.testing.assert_allclose(got, want, rtol=0, atol=3e-6)
     # run mode "bf16" within one tile (across tiles each tile rounds exp(s - its own max), not the
     # reference's exp(s - the global max)); a weight whose exp lands near a bf16 rounding boundary may
-    # still round the other way than np.exp's (one bf16 ulp, 2^-8 of that weight)
+    # still round the other way than np.exp's (one bf16 ulp, 2^-8 of that weight: np.exp's last
+    # bits differ between numpy's SIMD paths, so which weights flip is the CPU's). So: a few
+    # elements off by at most a few flips, the rest within 2e-5 (rounding the other way, or
+    # truncating, moves most of them)
     T = TILE - 40
     q, k, v = _case(T - hd, 8, 8, 2, hd, T)
     q_pos, k_pos = np.arange(T - 8, T), np.arange(T)
     got = attention(q, k, v, q_pos, k_pos, True, 0, bf16_probs=True)
-    np.testing.assert_allclose(got, attention_reference(q, k[:, :T], v[:, :T], q_pos, k_pos, True, 0, bf16_probs=True),
-                               rtol=0, atol=2e-5)
+    diff = np.abs(got - attention_reference(q, k[:, :T], v[:, :T], q_pos, k_pos, True, 0, bf16_probs=True))
+    assert (diff > 2e-5).mean() < 0.03 and diff.max() < 4 * 2.0 ** -8 * np.abs(v[:, :T]).max(), \
+        ((diff > 2e-5).mean(), diff.max())
     assert not np.allclose(got, attention(q, k, v, q_pos, k_pos, True, 0), rtol=0, atol=1e-5)  # it does round
     # the same in tile 1 alone: a window that shows the rows tile-1 keys only (100 keys a row, so
     # a flipped rounding moves an output by up to ~1e-4)
