@@ -337,13 +337,11 @@ class TargetModel:
 
         h = self.embed_input(ids)  # [n, H]
         taps = np.empty((n, len(tap_layers) * H), dtype=np.float32) if len(tap_layers) else None
-        slots: dict[int, list[int]] = {}  # tap layer -> its column blocks
-        for j, l in enumerate(tap_layers):
-            slots.setdefault(l, []).append(j)
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, cache, start, q_pos, k_pos, cos, sin)
-            for j in slots.get(i, ()):  # residual stream AFTER layer i = HF hidden_states[i+1]
-                taps[:, j * H : (j + 1) * H] = h
+            for j, l in enumerate(tap_layers):
+                if l == i:  # residual stream AFTER layer i = HF hidden_states[i+1]
+                    taps[:, j * H : (j + 1) * H] = h
         cache.length = start + n
         if last_only:
             h = h[-1:]
