@@ -5,6 +5,7 @@ tail, the BLAS path above GEMV_MAX_ROWS, every weight dtype, and both drivers.""
 
 import tracemalloc
 
+import numba
 import numpy as np
 import pytest
 
@@ -87,6 +88,26 @@ def test_prefill_path_converts_in_chunks():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 0.75 * N * K * 4, peak
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs a numba pool of 2 threads")
+def test_blas_runs_on_the_numba_thread_count():
+    """A BLAS product (an unpacked weight above GEMV_MAX_ROWS rows) runs on as many threads as
+    numba: OpenBLAS alone starts one per core, so `--threads 1` would use every core."""
+    from threadpoolctl import threadpool_info
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    x = rng.standard_normal((GEMV_MAX_ROWS + 1, 48)).astype(np.float32)
+    saved = numba.get_num_threads()
+    try:
+        for n in (1, 2, 1):
+            numba.set_num_threads(n)
+            check(linear(x, w), x, w.astype(np.float64))
+            blas = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+            assert blas and set(blas) == {n}, (n, blas)
+    finally:
+        numba.set_num_threads(saved)
 
 
 # N: every remainder mod 2 and mod 4, inside one output block and past ROW_BLOCK; K: below one

@@ -65,6 +65,25 @@ def test_rows_are_independent_bit_for_bit():
         assert np.array_equal(linear(x[:M], w), whole[:M])
 
 
+def test_prefill_rows_keep_the_one_row_bits():
+    """A packed weight takes the panel kernel at every row count, a 512-token prefill chunk too
+    (not BLAS on a converted copy): row r of a 70-row product is the 1-row product of x[r] bit
+    for bit, serial and parallel, so a prompt's K/V and taps are those of one-row steps."""
+    rng = np.random.default_rng(9)
+    w = P.pack_bf16(bf16_weight(rng, 300, 64))
+    x = rng.standard_normal((70, 64)).astype(np.float32)
+    saved = numba.get_num_threads()
+    try:
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            with parallel_threshold(0):
+                whole = linear(x, w)
+                for r in (0, 31, 32, 33, 69):
+                    assert np.array_equal(linear(x[r:r + 1], w)[0], whole[r]), (threads, r)
+    finally:
+        numba.set_num_threads(saved)
+
+
 def test_parallel_split_equals_serial():
     rng = np.random.default_rng(8)
     w = P.pack_bf16(bf16_weight(rng, 700, 40))  # 6 work items of 128 columns, the last partial

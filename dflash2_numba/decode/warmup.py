@@ -45,9 +45,8 @@ def parallel_threshold(macs: int | None):
 def _warm_prompt_rows(prompt_ids) -> int:
     """Rows of the warm-up prompt: the run's own prompt length when it is known and short (its
     prefill takes the fused layer, like every later step: nothing else to compile), else
-    GEMV_MAX_ROWS + 1 rows, a prefill longer than the fused layer takes (the op-by-op graph, BLAS,
-    the blocked attention), as a long prompt's does. That longer prefill converts every weight
-    to f32 for BLAS: ~0.5 s a run on the embedded pair that a short prompt never needs."""
+    GEMV_MAX_ROWS + 1 rows, a prefill longer than the fused layer takes (the op-by-op graph and
+    the blocked attention), as a long prompt's does."""
     if prompt_ids is not None and 1 <= len(prompt_ids) <= GEMV_MAX_ROWS:
         return len(prompt_ids)
     return GEMV_MAX_ROWS + 1

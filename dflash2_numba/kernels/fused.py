@@ -31,8 +31,8 @@ types, let alone compiles, the bf16 rounding loops, the bf16 conv or the paralle
 drivers of the GEMV and attention, which were more than half of a cold start. The variants run
 the same code on the same kernels as before: the same bits.
 
-Rows: 1..GEMV_MAX_ROWS (decode, verify, draft block). A longer prefill takes the op-by-op path,
-whose GEMV hands big products to BLAS. Weights: bf16 packed into panels (kernels/panels.py);
+Rows: 1..GEMV_MAX_ROWS (decode, verify, draft block). A longer prefill takes the op-by-op path
+(the same panel GEMV, any row count). Weights: bf16 packed into panels (kernels/panels.py);
 a float32 checkpoint runs op by op. A new layer kind (the hybrid targets' Gated DeltaNet)
 slots in as another fused layer function beside this one.
 """

@@ -6,8 +6,13 @@ Quantized weights (quant/weights.py, q8_0 / q4_0) take the integer kernels at ev
 weights of a pre-quantized checkpoint (quant/stored.StoredWeight: FP8, int4, W8A8) their own
 kernels, at every row count too.
 Otherwise three regimes:
-- decode size, PackedBF16 weight (what ops.prepare_weight gives the models on the CPU): the
-  panel micro-kernels of kernels/panels.py (the fast path; 1..GEMV_MAX_ROWS rows).
+- a PackedBF16 weight (what ops.prepare_weight gives the models on the CPU): the panel
+  micro-kernels of kernels/panels.py at EVERY row count, decode and prefill alike. Row r of an
+  M-row product then has the bits of the one-row product (one fma chain per output), a prompt's
+  K/V and taps those of one-row steps. Above 32 rows they used to go to BLAS on an f32 copy made
+  chunk by chunk: on a 2-core Zen 5, 512-token bf16 prefill of the ~120M bench model went from
+  650 to 1088 tok/s (AVX2 path, 2 threads) and 600 to 1012 (512-bit path, 1 thread) with the
+  panels, and the checkpoint's bf16 pages are no longer read a second time (docs/amd_epyc_zen5.md).
 - decode size, a plain uint16 / float32 array (M <= GEMV_MAX_ROWS): a numba kernel, parallel over blocks of output rows.
   Each weight element is converted bf16 -> f32 inside the K loop and shared by up to 8 input
   rows (8 accumulators), so the weight matrix is read once per 8 inputs and never copied.
@@ -15,6 +20,9 @@ Otherwise three regimes:
   and use FMAs.
 - prefill size (M > GEMV_MAX_ROWS): weights converted in chunks of rows, numpy matmul (BLAS).
   The chunk is a bounded scratch ([CHUNK_ROWS, K] f32), again no whole-matrix f32 copy.
+  BLAS runs on as many threads as numba (`blas_threads`): left alone, OpenBLAS starts one per
+  core, so a "--threads 1" prefill used every core, and at 2 threads its pool and numba's
+  competed for the same cores.
 
 float16 weights (rare) always take the chunked numpy path: numba's CPU float16 support is thin.
 `linear_reference` is the plain-numpy definition the kernels are tested against.
@@ -56,6 +64,25 @@ def threads_now() -> int:
     if _num_threads is None:
         _num_threads = _thread_count_reader()
     return _num_threads()
+
+
+_blas = {"libs": None, "n": 0}  # numpy's BLAS libraries (threadpoolctl) and the count last set
+
+
+def blas_threads() -> int:
+    """Give every loaded BLAS library numba's current thread count (set only when it changed;
+    the libraries are looked up once, at the first BLAS product) -> that count. What --threads
+    says then holds for the BLAS products too (prefill, the selector's projection)."""
+    n = threads_now()
+    if n != _blas["n"]:
+        if _blas["libs"] is None:
+            from threadpoolctl import ThreadpoolController
+
+            _blas["libs"] = [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
+        for lib in _blas["libs"]:
+            lib.set_num_threads(n)
+        _blas["n"] = n
+    return n
 
 
 def use_parallel(macs: int) -> bool:
@@ -186,6 +213,7 @@ def _linear_chunked(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarray:
     """BLAS path: convert `chunk` rows of w at a time into ONE reused f32 scratch.
     x [M, K], w [N, K], y [M, N]."""
     N, K = w.shape
+    blas_threads()
     if w.dtype == np.float32:  # nothing to convert
         y[:] = x @ w.T  # [M, K] @ [K, N]
         return y
@@ -230,7 +258,7 @@ def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.nd
         return w.linear(x, y, M > 0 and use_parallel(M * N * K))
     panels = getattr(w, "panels", None)  # a PackedBF16 weight (kernels/panels.py)
     w = np.asarray(w)  # the plain array for the other paths
-    if panels is not None and 0 < M <= GEMV_MAX_ROWS:
+    if panels is not None and M > 0:
         # the driver picked here, not inside numba: a Python call of panels.gemv_panels would
         # compile it with both drivers, the parallel one even at one thread (docs/cold_start.md)
         (_gemv_panels_par if use_parallel(M * N * K) else _gemv_panels_ser)(x, panels, y)

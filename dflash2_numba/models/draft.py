@@ -114,7 +114,7 @@ class DFlashDraft:
         """extend_context of several requests at once. Updates of at most 32 rows (a step's
         accepted tokens) are stacked: every product runs over all their rows in chunks of <= 32
         (layers.in_row_chunks), so each gets the bits of its own fused update. A longer one (a
-        prompt's taps) runs on its own, exactly as alone (its products go to BLAS)."""
+        prompt's taps) runs on its own, exactly as alone."""
         c = self.config
         items = []  # (state, taps [n, n_taps*H] f32, start_pos, n)
         for state, taps, start_pos, token_ids in zip(states, taps_list, starts, ids_list):

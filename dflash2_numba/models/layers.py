@@ -123,15 +123,16 @@ def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return as_f32(table[ids])  # [n, H]
 
 
-ROW_INVARIANT_ROWS = 32  # kernels/linear.GEMV_MAX_ROWS: up to here a product never goes to BLAS
+ROW_INVARIANT_ROWS = 32  # kernels/linear.GEMV_MAX_ROWS: up to here no weight kind goes to BLAS
 
 
 def in_row_chunks(fn, x: np.ndarray, rows: int = ROW_INVARIANT_ROWS) -> np.ndarray:
     """fn(x) computed over chunks of at most `rows` rows of x [n, ...], concatenated. `fn` must
     be row-wise (each output row depends on its input row only). With the CPU linear (the
     panel GEMV up to 32 rows: one fma chain per output) every row then gets the bits it gets
-    alone, whatever else is stacked with it; above 32 rows linear hands the product to BLAS,
-    whose blocking depends on the row count. The batched forwards (models/batched.py) rely on it."""
+    alone, whatever else is stacked with it; above 32 rows an unpacked (float32 / float16)
+    weight goes to BLAS, whose blocking depends on the row count (packed bf16 and quantized
+    weights keep one order at any count). The batched forwards (models/batched.py) rely on it."""
     if x.shape[0] <= rows:
         return fn(x)
     return np.concatenate([fn(x[a:a + rows]) for a in range(0, x.shape[0], rows)])
