@@ -49,9 +49,12 @@ class CostTable:
         self.draft_s = float(self.draft_s)
         if self.sweep_verify_s is None:
             self.sweep_verify_s, self.sweep_draft_s = v.copy(), self.draft_s
-        self._off = np.zeros(len(v))  # per row count: average (measured - swept)
-        self._seen = np.zeros(len(v), bool)
+        # the online state on Python floats (a plain decode step refreshes it: a few us in numpy)
+        self._sweep = self.sweep_verify_s.tolist()
+        self._off = [0.0] * len(v)  # per row count: average (measured - swept)
+        self._seen = [False] * len(v)
         self._off_all = 0.0  # the same over every observation
+        self.verify_list = v.tolist()  # verify_s as Python floats, for the width rule's per-step arithmetic
 
     @property
     def B(self) -> int:
@@ -65,17 +68,21 @@ class CostTable:
 
     def observe_verify(self, rows: int, seconds: float, weight: float = 0.1) -> None:
         i = rows - 1
-        cur = self.verify_s[i]
+        cur = self.verify_list[i]
         if cur > 0:
             seconds = min(max(seconds, cur / CLIP), cur * CLIP)
-        delta = seconds - self.sweep_verify_s[i]
-        if not self._seen[i]:
-            self._off[i], self._seen[i] = self._off_all, True
-        self._off[i] += weight * (delta - self._off[i])
+        delta = seconds - self._sweep[i]
+        off, seen = self._off, self._seen
+        if not seen[i]:
+            off[i], seen[i] = self._off_all, True
+        off[i] += weight * (delta - off[i])
         self._off_all += weight * (delta - self._off_all)
-        live = np.where(self._seen, self._off, self._off_all)  # [B] offsets, then live costs
-        live += self.sweep_verify_s
-        np.maximum.accumulate(np.maximum(live, 0.0, out=live), out=self.verify_s)  # (every step: few numpy calls)
+        live, top, rest = [], 0.0, self._off_all  # live costs: swept + offset, >= 0, non-decreasing
+        for c, o, s in zip(self._sweep, off, seen):
+            top = max(top, c + (o if s else rest), 0.0)
+            live.append(top)
+        self.verify_list = live
+        self.verify_s[:] = live
 
     def observe_draft(self, seconds: float, weight: float = 0.1) -> None:
         if self.draft_s > 0:

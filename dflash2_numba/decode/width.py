@@ -158,7 +158,7 @@ class AdaptiveWidth:
     # -- before drafting
     def _best_value(self, S: np.ndarray, kmax: int) -> tuple[int, float]:
         """argmax_{k in 0..kmax} E(k) with survival S [>= kmax+1] (S[0] = 1) -> (k, E(k))."""
-        c, D, S = self.costs.verify_s.tolist(), self.costs.draft_s, S.tolist()  # Python floats: cheaper per step
+        c, D, S = self.costs.verify_list, self.costs.draft_s, S.tolist()  # Python floats: cheaper per step
         best_k, best = 0, 1.0 / max(c[0], 1e-12)
         tokens = 1.0
         for k in range(1, kmax + 1):
@@ -172,7 +172,7 @@ class AdaptiveWidth:
         """Expected tokens per second of a drafted step: the larger of the model's best E(k >= 1)
         (average survival of recent drafted steps, the cost table) and the realized rate of
         recent drafted steps (tokens over measured seconds)."""
-        c, D, S = self.costs.verify_s.tolist(), self.costs.draft_s, self.mean_S.tolist()
+        c, D, S = self.costs.verify_list, self.costs.draft_s, self.mean_S.tolist()
         tokens, best = 1.0, 0.0
         for k in range(1, kmax + 1):
             tokens += S[k]
@@ -199,7 +199,7 @@ class AdaptiveWidth:
     def draft_now(self, kmax: int) -> bool:
         if self.warm_left > 0:
             return True
-        if self.drafting_value(kmax) > 1.0 / max(self.costs.verify_s[0], 1e-12):  # E(k >= 1) > E(0)
+        if self.drafting_value(kmax) > 1.0 / max(self.costs.verify_list[0], 1e-12):  # E(k >= 1) > E(0)
             self.plain_run, self.probe_level, self._probe = 0, 0, False
             return True
         self.plain_run += 1
