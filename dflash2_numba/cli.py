@@ -88,8 +88,8 @@ def _prompt_options(f):
 
 def _model_options(f):
     f = click.option("--threads", type=int, default=None,
-                     help="numba threads for the CPU kernels (default: the physical cores; 1 for a model "
-                          "under 32M parameters).")(f)
+                     help="threads for the CPU kernels, numba's and BLAS's (default: the physical cores; 1 for a "
+                          "model under 32M parameters).")(f)
     f = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)(f)
     f = click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
                      help="f32: compute in float32 from bf16 weights; bf16: round activations like eager PyTorch.")(f)
