@@ -43,7 +43,7 @@ from . import attention_ir
 from .linear import use_parallel  # same threading policy as the GEMV
 from numba import njit, prange
 
-from ..numerics import _u32_as_f32, as_f32, kv_f32, round_bf16, round_bf16_array
+from ..numerics import as_f32, expf_poly, kv_f32, round_bf16, round_bf16_array
 
 
 
@@ -131,18 +131,7 @@ def _exp_f32(x):
     degree-6 polynomial in r, times 2^n built from the exponent bits. Branch-free, so a loop of
     it vectorises; within 2 ulp of libm expf. Below -87 it returns ~1e-38 instead of 0: a weight
     that small cannot move an f32 sum that already holds the max's weight 1."""
-    x = max(x, np.float32(-87.0))
-    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
-    r = x - n * np.float32(0.693359375)
-    r = r - n * np.float32(-2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * r * r + r + np.float32(1.0)
-    return p * _u32_as_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+    return expf_poly(max(x, np.float32(-87.0)))
 
 
 @njit(cache=True, nogil=True)  # deliberately NOT fastmath: reassociation would undo the Cody-Waite split
