@@ -154,9 +154,9 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, bf16: bool = Fal
 @njit(inline="always")
 def _silu(x):
     """x / (1 + exp(-x)) in f32, exp by numerics.expf_poly (the attention's Cephes expf, within
-    2 ulp of libm's) on the argument clamped to [-87, 88], and +inf past 88.72 (f32's range). Branch-free, so a row
-    of it vectorises: with libm's expf, a call per element, an 8 x 768 SwiGLU took 17 us; now
-    ~2 us (Zen 5, 512-bit path).
+    2 ulp of libm's) on the argument clamped to [-87, 88], and +inf past 88.72 (f32's range).
+    Branch-free, so a row of it vectorises: with libm's expf, a call per element, an 8 x 768
+    SwiGLU took 17 us; now ~2 us (Zen 5, 512-bit path).
     x < -88.72 gives -0 (x / inf) as libm and torch do; -88.72 <= x < -88 a number below 1e-36
     instead of a denormal; NaN stays NaN."""
     e = expf_poly(min(max(-x, np.float32(-87.0)), np.float32(88.0)))
