@@ -33,23 +33,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import isa
-
 LANES = 16  # f32 lanes per vector: one zmm, two ymm on AVX2 (LLVM splits it, same bits)
-
-
-def _shape() -> tuple[int, int]:
-    """(GROUP, BLOCK) for the path being compiled (kernels/isa.py), read at codegen: keys whose
-    score chains run together before their first tree levels, and 16-lane vectors of V columns
-    accumulated per pass over a chunk's keys. A 16-lane vector takes one zmm but two ymm, so 8
-    chains (16 ymm) or 2 x 4 accumulators spill on the 16 ymm registers of AVX2: there 4 and 2
-    (AVX2 forced on Zen 5, hd 64, in L1: scores 1.9 -> 1.2 ns and weights x V 2.6 -> 2.1 ns per
-    (row, head, key); the whole 8-row attention at 8192 keys 4.4 -> 4.1 ms a layer; no change
-    on the 512-bit path). Only the grouping changes: each key's chain and tree and each
-    column's chains stay the same, so do the bits (tests/test_block_attention.py, the ISA test)."""
-    return (8, 4) if isa.vector_bits() >= 512 else (4, 2)
-
-
+BLOCK = 4  # vectors of V columns accumulated in registers per pass over the keys (64 columns)
 KEYS = 4  # keys whose scores are computed together (independent chains that overlap)
 
 
@@ -252,25 +237,23 @@ def scores16_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, c0, lo, hi, vi
                                                          (qa, sa, visa, mxa), i_, h_, si_, sh_, c0_)
         fma = _fma(builder)
         half = LANES // 2
-        group = _shape()[0]
         slots = [cgutils.alloca_once(builder, vf) for _ in range(half)]
 
         kbase = cgutils.get_item_pointer(context, builder, signature.args[3], ka,
                                          [kvh_, builder.add(t0_, c0_), zero])  # k[kvh, t0 + c0, 0]
 
-        def group_keys(r0, m, hd_const):
-            """Keys r0 .. r0 + m - 1 (m = 8, or 4 where 16 ymm registers hold fewer chains): m
-            independent FMA chains over hd, then the first log2(m) levels of the tree: one vector
-            of m keys x 16 / m lanes. hd_const: hd known here (constant offsets from one pointer,
-            the chunk loop unrolled), else None (a loop over hd's chunks)."""
+        def eight_keys(r0, hd_const):
+            """Keys r0 .. r0 + 7: 8 independent FMA chains over hd, then three levels of the
+            tree: one vector of 8 keys x 2 lanes. hd_const: hd known here (constant offsets from
+            one pointer, the chunk loop unrolled), else None (a loop over hd's chunks)."""
             row = ir.Constant(intp, hd_const) if hd_const else hd  # C layout: key rows hd apart
-            kps = [builder.gep(kbase, [builder.mul(row, ir.Constant(intp, r0 + r))]) for r in range(m)]
-            for slot in slots[:m]:
+            kps = [builder.gep(kbase, [builder.mul(row, ir.Constant(intp, r0 + r))]) for r in range(half)]
+            for slot in slots:
                 builder.store(ir.Constant(vf, None), slot)
 
             def chunk(off):
                 qv = builder.load(builder.bitcast(builder.gep(qp, [off]), vf.as_pointer()), align=4)
-                for kp, slot in zip(kps, slots[:m]):
+                for kp, slot in zip(kps, slots):
                     kv = _load_f32x16(builder, builder.gep(kp, [off]), is_bf16)
                     builder.store(builder.call(fma, [qv, kv, builder.load(slot)]), slot)
             if hd_const:
@@ -279,19 +262,12 @@ def scores16_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, c0, lo, hi, vi
             else:
                 with cgutils.for_range(builder, nchunks) as loop:
                     chunk(builder.mul(loop.index, ir.Constant(intp, LANES)))
-            x = [builder.load(slot) for slot in slots[:m]]
+            x = [builder.load(slot) for slot in slots]
             width = half
-            while len(x) > 1:  # widths 8, 4, (2): pairs of neighbours, keys kept in order
+            while len(x) > 1:  # widths 8, 4, 2: pairs of neighbours, keys kept in order
                 x = [_combine(builder, x[j], x[j + 1], width) for j in range(0, len(x), 2)]
                 width //= 2
             return x[0]
-
-        def eight_keys(r0, hd_const):
-            """Keys r0 .. r0 + 7 as one vector of 8 keys x 2 lanes (the tree's first three levels)."""
-            if group == half:
-                return group_keys(r0, half, hd_const)
-            a = group_keys(r0, group, hd_const)  # 4 keys x 4 lanes, twice, then the third level
-            return _combine(builder, a, group_keys(r0 + group, group, hd_const), 2)
 
         f_slot = cgutils.alloca_once(builder, vf)
 
@@ -444,20 +420,18 @@ def pv_chunk_ir(typingctx, s, si, sh, vis, v, kvh, t0, c0, lo, hi, mx, lacc, pac
                 part = builder.fadd(builder.load(even[c]), builder.load(odd[c]))
                 builder.store(builder.fadd(builder.load(dst, align=4), part), dst, align=4)
 
-        block = _shape()[1]
-
         def emit(hd_const, unrolled):
             if hd_const:
-                for col in range(0, hd_const, block * LANES):
-                    columns(ir.Constant(intp, col), min(block, (hd_const - col) // LANES), hd_const, unrolled)
+                for col in range(0, hd_const, BLOCK * LANES):
+                    columns(ir.Constant(intp, col), min(BLOCK, (hd_const - col) // LANES), hd_const, unrolled)
                 return
-            width = ir.Constant(intp, block * LANES)
+            width = ir.Constant(intp, BLOCK * LANES)
             nblocks = builder.sdiv(hd, width)
             with cgutils.for_range(builder, nblocks) as blk:
-                columns(builder.mul(blk.index, width), block, None, unrolled)
+                columns(builder.mul(blk.index, width), BLOCK, None, unrolled)
             col = builder.mul(nblocks, width)
-            rest = builder.sdiv(builder.sub(hd, col), ir.Constant(intp, LANES))  # 0..block-1 vectors left
-            for nvec in range(1, block):
+            rest = builder.sdiv(builder.sub(hd, col), ir.Constant(intp, LANES))  # 0..BLOCK-1 vectors left
+            for nvec in range(1, BLOCK):
                 with builder.if_then(builder.icmp_signed("==", rest, ir.Constant(intp, nvec))):
                     columns(col, nvec, None, unrolled)
         with builder.if_else(whole) as (then, otherwise):
