@@ -8,6 +8,8 @@ key and a memory round trip of the accumulator per key (docs/long_context.md, se
     scores_ir(q, i, h, k, kvh, t0, scale, s, si, sh, lo, hi, vis, mx)
         the same key by key for t in [lo, hi) (a chunk that runs past the rows of k), the max
         in mx[si, sh, 0]
+    prefetch_rows_ir(a, i0, r0, r1)
+        a hint: the 64-byte lines of rows r0 .. min(r1, rows) - 1 of a[i0] (a 3-D C array) into L1
     pv_chunk_ir(s, si, sh, vis, v, kvh, t0, c0, lo, hi, mx, lacc, pacc, b, i, h, bf16_probs)
         w_j = exp(s[si, sh, c0 + j] - mx) where c0 + j in [lo, hi) and vis, else 0
         lacc[si, sh, j] += w_j;  pacc[b, i, h, :] += sum_j w'_j * v[kvh, t0 + c0 + j, :]
@@ -277,6 +279,37 @@ def scores16_ir(typingctx, q, i, h, k, kvh, t0, scale, s, si, sh, c0, lo, hi, vi
         _by_head_size(builder, hd, sixteen_keys)
         _store_and_max(builder, builder.fmul(builder.load(f_slot), _splat(builder, scale_)), sp, visp, mxp,
                        c0_, lo_, hi_)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_rows_ir(typingctx, a, i0, r0, r1):
+    """Prefetch into L1 the lines of rows [r0, min(r1, rows)) of a[i0] (a [n, rows, m] C array):
+    one `llvm.prefetch` per 64 bytes. A hint, so nothing computed changes; no line past the
+    array is named (r1 is clamped) and an empty range issues nothing."""
+    if not (isinstance(a, types.Array) and a.ndim == 3 and a.layout == "C"):
+        return None
+    sig = types.void(a, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        i0, r0, r1 = args[1], args[2], args[3]
+        intp = context.get_value_type(types.intp)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        _, rows, m = cgutils.unpack_tuple(builder, arr.shape, 3)
+        r1 = builder.select(builder.icmp_signed("<", r1, rows), r1, rows)
+        start = builder.bitcast(cgutils.get_item_pointer(context, builder, signature.args[0], arr,
+                                                         [i0, r0, ir.Constant(intp, 0)]), i8p)
+        item = ir.Constant(intp, context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype)))
+        nbytes = builder.mul(builder.mul(builder.sub(r1, r0), m), item)
+        lines = builder.sdiv(builder.add(nbytes, ir.Constant(intp, 63)), ir.Constant(intp, 64))
+        prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                  "llvm.prefetch.p0i8")
+        with cgutils.for_range(builder, lines) as loop:  # no trips when r1 <= r0
+            ptr = builder.gep(start, [builder.mul(loop.index, ir.Constant(intp, 64))])
+            builder.call(prefetch, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return sig, codegen
