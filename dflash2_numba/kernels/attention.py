@@ -125,9 +125,11 @@ TILE = 256  # keys per tile: 2 * 256 * hd * 4 B of K/V (128 KiB at hd 64) stays 
 CHUNK = 16  # keys per inner pass: 16 K (or V) rows stay in L1 while every row and head reads them
 # Software prefetch: each chunk of steps 1 and 3 asks for the K (V) rows PREFETCH keys ahead.
 # A cache read from DRAM streams at 12-27 GB/s per core without it (the hardware prefetcher
-# alone, docs/long_context.md); a 1-row attention over 8192 keys ran 14-27 % faster with it,
-# more rows and short contexts unchanged. 32 measured best of 16 / 32 / 64 / 128.
+# alone, docs/long_context.md); a 1-row attention over 8192 keys ran 1.1-1.5x faster with it,
+# 4 and 8 rows 1.0-1.14x (bench/attention_ab.py). 32 measured best of 16 / 32 / 64 / 128. Below
+# PREFETCH_MIN keys a layer's cache sits in L2 anyway: no prefetch is issued there.
 PREFETCH = 32
+PREFETCH_MIN = 1024
 
 
 @njit(inline="always")
@@ -186,8 +188,10 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
     ir_path = hd % attention_ir.LANES == 0  # the LLVM IR inner loops (attention_ir.py); else numba's
     smax = np.full((nq, g, CHUNK), -np.inf, dtype=np.float32)  # [nq, g, 16] running max per lane (IR path)
     # 1. scores, K chunk by chunk (a chunk stays in L1 while every row and head reads it)
+    far = T >= PREFETCH_MIN  # a cache long enough to come from DRAM: prefetch K and V ahead
     for c0 in range(0, n, CHUNK):
-        attention_ir.prefetch_rows_ir(k, kvh, t0 + c0 + PREFETCH, min(t0 + c0 + PREFETCH + CHUNK, T))
+        if far:
+            attention_ir.prefetch_rows_ir(k, kvh, t0 + c0 + PREFETCH, min(t0 + c0 + PREFETCH + CHUNK, T))
         for i in range(nq):
             a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
             for hh in range(g):
@@ -223,7 +227,8 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
     if ir_path:  # exp, mask, the weights' sum and the products in one pass (attention_ir.pv_chunk_ir)
         lacc = np.zeros((nq, g, CHUNK), dtype=np.float32)  # [nq, g, 16] the weights' sum, lane j = key j of a chunk
         for c0 in range(0, n, CHUNK):
-            attention_ir.prefetch_rows_ir(v, kvh, t0 + c0 + PREFETCH, min(t0 + c0 + PREFETCH + CHUNK, T))
+            if far:
+                attention_ir.prefetch_rows_ir(v, kvh, t0 + c0 + PREFETCH, min(t0 + c0 + PREFETCH + CHUNK, T))
             for i in range(nq):
                 a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
                 if a1 > a0:
@@ -238,7 +243,8 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
                 pl[b, i, kvh * g + hh] = l
         return
     for c0 in range(0, n, CHUNK):  # numba: chunk by chunk, a V chunk in L1 for every row and head
-        attention_ir.prefetch_rows_ir(v, kvh, t0 + c0 + PREFETCH, min(t0 + c0 + PREFETCH + CHUNK, T))
+        if far:
+            attention_ir.prefetch_rows_ir(v, kvh, t0 + c0 + PREFETCH, min(t0 + c0 + PREFETCH + CHUNK, T))
         for i in range(nq):
             for hh in range(g):
                 h = kvh * g + hh
