@@ -133,6 +133,12 @@ PREFETCH_MIN = 1024
 
 
 @njit(inline="always")
+def _prefetch_chunk(a, kvh, row, T):
+    """Rows row .. row + CHUNK - 1 of a[kvh] (those below T) into L1, ahead of their use."""
+    attention_ir.prefetch_rows_ir(a, kvh, row, min(row + CHUNK, T))
+
+
+@njit(inline="always")
 def _exp_f32(x):
     """Cephes expf for x <= 0 (scores minus their max): Cody-Waite reduction x = n ln2 + r,
     degree-6 polynomial in r, times 2^n built from the exponent bits. Branch-free, so a loop of
@@ -191,7 +197,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
     far = T >= PREFETCH_MIN  # a cache long enough to come from DRAM: prefetch K and V ahead
     for c0 in range(0, n, CHUNK):
         if far:
-            attention_ir.prefetch_rows_ir(k, kvh, t0 + c0 + PREFETCH, min(t0 + c0 + PREFETCH + CHUNK, T))
+            _prefetch_chunk(k, kvh, t0 + c0 + PREFETCH, T)
         for i in range(nq):
             a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
             for hh in range(g):
@@ -228,7 +234,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
         lacc = np.zeros((nq, g, CHUNK), dtype=np.float32)  # [nq, g, 16] the weights' sum, lane j = key j of a chunk
         for c0 in range(0, n, CHUNK):
             if far:
-                attention_ir.prefetch_rows_ir(v, kvh, t0 + c0 + PREFETCH, min(t0 + c0 + PREFETCH + CHUNK, T))
+                _prefetch_chunk(v, kvh, t0 + c0 + PREFETCH, T)
             for i in range(nq):
                 a0, a1 = max(c0, lo[i]), min(c0 + CHUNK, hi[i])
                 if a1 > a0:
@@ -244,7 +250,7 @@ def _tile_partial(q, k, v, q_pos, k_pos, first, T, causal, window, bf16_probs, p
         return
     for c0 in range(0, n, CHUNK):  # numba: chunk by chunk, a V chunk in L1 for every row and head
         if far:
-            attention_ir.prefetch_rows_ir(v, kvh, t0 + c0 + PREFETCH, min(t0 + c0 + PREFETCH + CHUNK, T))
+            _prefetch_chunk(v, kvh, t0 + c0 + PREFETCH, T)
         for i in range(nq):
             for hh in range(g):
                 h = kvh * g + hh
