@@ -172,6 +172,34 @@ def test_topk_kernel_on_a_real_vocab_against_sorting(K):
         assert ids[l].tolist() == ref_topk(z[l], K, valid), l
 
 
+def test_topk_screened_chunks_on_a_qwen_sized_vocab():
+    """V = 151936 (Qwen's head): the kernel screens chunks of TOPK_CHUNK ids against the K-th
+    kept value and skips the ones that cannot enter. Rising rows (every chunk enters), a late
+    tie at the K-th value (must NOT enter: the lower id stays), late winners in the last chunk,
+    coarse values with many ties, fine values (late entries at the K-th place)."""
+    from dflash2_numba.models.selector import TOPK_CHUNK
+
+    rng = np.random.default_rng(7)
+    V, valid, K = 151936, 151665, 16
+    sel, _ = random_selector(3, V=V, K=K, valid=valid)
+    z = np.round(rng.standard_normal((6, V)) * 3).astype(np.float32)
+    z[1] = np.arange(V, dtype=np.float32)  # rising: every chunk holds a new best
+    z[2, :] = 0.0
+    z[2, 5:5 + K] = 1.0  # the K best early; a tie with the K-th late must stay out
+    z[2, V - 2 * TOPK_CHUNK - 3] = 1.0
+    z[3, valid - 1] = 50.0  # winners in the last valid chunk
+    z[3, valid - TOPK_CHUNK // 2] = 49.0
+    z[4, rng.integers(0, V, 20000)] = np.nan
+    z[0] = rng.standard_normal(V)  # fine values
+    z[5, :] = 0.0
+    z[5, 5:5 + K - 1] = 2.0  # K-1 early at 2.0, the K-th at 1.0 ...
+    z[5, 5 + K - 1] = 1.0
+    z[5, V - 5 * TOPK_CHUNK] = 1.5  # ... beaten late by a value between the K-th and the one above
+    ids, _ = sel.candidates(z)
+    for l in range(z.shape[0]):
+        assert ids[l].tolist() == ref_topk(z[l], K, valid), l
+
+
 # ---------------------------------------------------------------- scalars (§4.3)
 def test_scalars_order_and_f32():
     rng = np.random.default_rng(2)

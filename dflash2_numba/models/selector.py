@@ -94,6 +94,37 @@ def keyed_gumbel(seed: int, positions: np.ndarray, token_ids: np.ndarray) -> np.
 
 
 # ---------------------------------------------------------------- top-K kernel
+TOPK_CHUNK = 64  # ids per screening test of _top_k_rows
+
+
+@njit(inline="always")
+def _topk_insert(z, l, t, valid_vocab, ids, vals, n, K):
+    """Offer id t of row l to the sorted list of the n (<= K) kept so far -> the new n."""
+    v = z[l, t] if t < valid_vocab else -np.inf
+    if v != v:  # NaN
+        v = -np.inf
+    if n == K and not v > vals[l, K - 1]:
+        return n
+    pos = min(n, K - 1)  # the slot it lands in: shift worse values one place down
+    while pos > 0 and vals[l, pos - 1] < v:
+        if pos < K:
+            vals[l, pos] = vals[l, pos - 1]
+            ids[l, pos] = ids[l, pos - 1]
+        pos -= 1
+    vals[l, pos] = v
+    ids[l, pos] = t
+    return min(n + 1, K)
+
+
+@njit(inline="always")
+def _any_above(x, thr):
+    """Does any value of the 1-D x exceed thr (NaN never does)? Vectorises: no early exit."""
+    hit = False
+    for i in range(x.shape[0]):
+        hit = hit | (x[i] > thr)
+    return hit
+
+
 @njit(cache=True, nogil=True)
 def _top_k_rows(z, valid_vocab, ids, vals):
     """Per row of z [k, V]: the K = ids.shape[1] best ids, value descending, ties by ascending
@@ -101,26 +132,28 @@ def _top_k_rows(z, valid_vocab, ids, vals):
 
     One pass over the row in id order keeping a sorted list of K: a later id enters only if
     STRICTLY better than the current K-th (so among equal values the lower id stays), and is
-    placed after every kept value >= its own (so equal values stay in ascending id order)."""
+    placed after every kept value >= its own (so equal values stay in ascending id order).
+    Once K are kept, a chunk of TOPK_CHUNK ids is first screened with one vectorised test
+    (does any value beat the K-th? NaN never does) and skipped whole when none does: the ids
+    it would have offered are exactly the ones the one-by-one pass turns away (same result,
+    ~10x fewer branches on a real vocab). Padding ids (-inf) can never enter a full list."""
     k, V = z.shape
     K = ids.shape[1]
     for l in range(k):
         n = 0  # kept so far
-        for t in range(V):
-            v = z[l, t] if t < valid_vocab else -np.inf
-            if v != v:  # NaN
-                v = -np.inf
-            if n == K and not v > vals[l, K - 1]:
-                continue
-            pos = min(n, K - 1)  # the slot it lands in: shift worse values one place down
-            while pos > 0 and vals[l, pos - 1] < v:
-                if pos < K:
-                    vals[l, pos] = vals[l, pos - 1]
-                    ids[l, pos] = ids[l, pos - 1]
-                pos -= 1
-            vals[l, pos] = v
-            ids[l, pos] = t
-            n = min(n + 1, K)
+        t = 0
+        while t < V:
+            end = min(t + TOPK_CHUNK, V)
+            if n == K:
+                if t >= valid_vocab:
+                    break
+                end = min(end, valid_vocab)
+                if not _any_above(z[l, t:end], vals[l, K - 1]):
+                    t = end
+                    continue
+            for i in range(t, end):
+                n = _topk_insert(z, l, i, valid_vocab, ids, vals, n, K)
+            t = end
 
 
 @njit(fastmath={"reassoc"}, cache=True, nogil=True)
