@@ -87,7 +87,23 @@ def test_choice_is_the_argmax_of_expected_tokens_per_second(case):
     e0 = 1.0 / verify[0]
     best = max((1 + sum(a ** j for j in range(1, k + 1))) / (D + verify[k]) for k in range(1, kmax + 1))
     rule.warm_left = 0
+    rule.drafting = False  # in a plain run: draft when drafting beats a plain step
     assert rule.draft_now(kmax) == (best > e0)
+    rule.drafting = True  # in a drafting run (hysteresis): keep drafting while >= (1 - STAY) x plain
+    assert rule.draft_now(kmax) == (best > e0 * (1 - W.STAY))
+
+
+def test_hysteresis_keeps_a_drafting_run_near_break_even_and_a_plain_run_too():
+    """Drafting worth 0.95x a plain step: a drafting run goes on (switching costs more than the
+    5 %), a plain run stays plain; at 0.85x (below 1 - STAY) a drafting run stops."""
+    B, c1 = 8, 1.0
+    for ratio, keeps in ((0.95, True), (0.85, False)):
+        rule = _rule(np.full(B, c1), 0.0, warm_steps=0, probe_every=(100,))  # no re-test in this test
+        rule.drafting_value = lambda kmax, r=ratio: r / c1
+        assert rule.drafting  # a new rule starts in the drafting regime (the warm-up drafts)
+        assert [rule.draft_now(B - 1) for _ in range(2)] == [keeps] * 2
+        rule.drafting = False
+        assert not rule.draft_now(B - 1)  # a plain run: 0.95x does not make it draft again
 
 
 def test_choice_reads_confidences_of_earlier_positions_only():
@@ -357,6 +373,27 @@ def test_cost_table_cached_by_model_format_threads(tiny_pair, tmp_path, monkeypa
     files[0].write_text("{ truncated")
     assert W.costs_for(target, draft, 8).source == "sweep"
     assert json.loads(files[0].read_text())["verify_s"]  # rewritten whole
+
+
+def test_sweep_times_the_verify_step_not_the_forward_alone(tiny_pair, monkeypatch):
+    """c(r) is what the decode loop times as a verify (decode/step.py, t1 -> t2): the forward
+    and the acceptance on its logits. An acceptance made 3 ms slower must show in every count;
+    a sweep that times the forward alone does not see it."""
+    import time
+
+    from dflash2_numba.decode import sampling
+
+    target, drafts = tiny_pair
+    fast = costs_module.measure_costs(target, drafts["dflash2"], 4, reps=1)
+    real = sampling.verify_block
+
+    def slow_verify(*args, **kwargs):
+        time.sleep(0.003)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "verify_block", slow_verify)
+    slow = costs_module.measure_costs(target, drafts["dflash2"], 4, reps=1)
+    assert np.all(slow.verify_s >= fast.verify_s.min() + 0.0028), (slow.verify_s, fast.verify_s)
 
 
 def test_default_cost_cache_is_beside_the_kernel_cache(monkeypatch):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 # ---------------------------------------------------------------- the cost table
-SWEEP_RECIPE = 3  # bump when measure_costs times something else (cached tables are then re-measured)
+SWEEP_RECIPE = 4  # bump when measure_costs times something else (cached tables are then re-measured)
 CLIP = 1.5  # an online sample counts as at most 1.5x (at least 1/1.5x) the current estimate
 
 
@@ -107,14 +107,17 @@ def interpolate(points: dict[int, float], B: int) -> np.ndarray:
 
 def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budget_s: float = 1.0,
                   rows: int | None = None) -> CostTable:
-    """Time target forwards of each sweep row count 1..`rows` (default B; the server's batch
+    """Time verify steps (the target forward and the acceptance on its logits, as the decode loop
+    times them) of each sweep row count 1..`rows` (default B; the server's batch
     budget sweeps max_running x B rows: decode/batch_width.py) after a `context`-token prefix (the
     minimum of up to `reps` rounds, interleaved so that load hits every count alike; rounds
     after the first stop once `budget_s` is spent, so a big model's sweep stays short) and the
     draft's B-row proposal, and per context row the draft's catch-up (the prefix fed to a fresh
-    draft state). One forward of 1 and of B rows and one proposal run untimed first (kernels
+    draft state). One verify step of 1 and of B rows and one proposal run untimed first (kernels
     already compiled by then, or compiled now)."""
-    from .sampling import SamplingParams
+    from .drafter import valid_vocab
+    from .sampling import SamplingParams, mask_padded, verify_block
+    from .step import check_finite
 
     t_start = time.perf_counter()
     R = int(rows or B)
@@ -148,9 +151,19 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
         draft.propose(st, int(ids[context]), context, B, greedy, rng)
         return time.perf_counter() - t0, feed
 
+    def verify_step(r: int) -> None:
+        """What the decode loop times as a verify of r rows (decode/step.py, t1 -> t2): the
+        forward, then the acceptance on its logits (finite check, masking, greedy acceptance of
+        r - 1 drafts) and the cache commit. The acceptance is a per-step cost the forward alone
+        misses (~20 us on the embedded pair, 10-15 % of its one-row step)."""
+        logits, _ = target.forward(ids[context:context + r], cache, tap_layers=taps_layers)  # [r, V]
+        check_finite(logits, "cost sweep", context)
+        a, _ = verify_block(mask_padded(logits, vv), ids[context + 1:context + r], None, greedy, rng)
+        cache.commit(context)  # (the sweep keeps the prefix only; a step commits start + a + 1)
+
+    vv = valid_vocab(target)
     for r in (1, R):  # untimed
-        target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
-        cache.commit(context)
+        verify_step(r)
     draft_step()
     t_timed = time.perf_counter()
     for rep in range(1, reps + 1):
@@ -158,10 +171,8 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
             break
         for r in counts:
             t0 = time.perf_counter()
-            target.forward(ids[context:context + r], cache, tap_layers=taps_layers)
-            dt = time.perf_counter() - t0
-            cache.commit(context)
-            best[r] = min(best[r], dt)
+            verify_step(r)
+            best[r] = min(best[r], time.perf_counter() - t0)
         d, f = draft_step()
         d_best, f_best = min(d_best, d), min(f_best, f)
     return CostTable(interpolate(best, R), d_best, "sweep", time.perf_counter() - t_start, feed_s=f_best)

@@ -91,9 +91,17 @@ class SurvivalEstimator:
 
     def __init__(self, B: int, forget: float = 0.99, m_cell: float = 3.0, m_pool: float = 3.0):
         nb = len(CONF_PRIOR)
-        self.acc, self.n = np.zeros((B, nb)), np.zeros((B, nb))  # [position j (1..B-1; 0 unused), bucket]
-        self.pool_acc, self.pool_n = np.zeros(nb), np.zeros(nb)
+        # counts on Python floats (a step reads and writes a few dozen of them: numpy scalars
+        # cost ~10x more per access); `acc` / `n` / `pool_*` show them as arrays
+        self._acc, self._n = [[0.0] * nb for _ in range(B)], [[0.0] * nb for _ in range(B)]  # [j][b], j 1..B-1
+        self._pool_acc, self._pool_n = [0.0] * nb, [0.0] * nb
+        self._prior = CONF_PRIOR.tolist()
         self.forget, self.m_cell, self.m_pool = forget, m_cell, m_pool
+
+    acc = property(lambda self: np.array(self._acc))  # [position j (1..B-1; 0 unused), bucket]
+    n = property(lambda self: np.array(self._n))
+    pool_acc = property(lambda self: np.array(self._pool_acc))
+    pool_n = property(lambda self: np.array(self._pool_n))
 
     @staticmethod
     def buckets(conf: np.ndarray | None, k: int) -> np.ndarray:
@@ -102,18 +110,18 @@ class SurvivalEstimator:
         return np.searchsorted(CONF_EDGES, np.asarray(conf[:k], np.float64), side="right").astype(np.int64)
 
     def rate(self, j: int, b: int) -> float:
-        pool = (self.pool_acc[b] + self.m_pool * CONF_PRIOR[b]) / (self.pool_n[b] + self.m_pool)
-        return float((self.acc[j, b] + self.m_cell * pool) / (self.n[j, b] + self.m_cell))
+        pool = (self._pool_acc[b] + self.m_pool * self._prior[b]) / (self._pool_n[b] + self.m_pool)
+        return (self._acc[j][b] + self.m_cell * pool) / (self._n[j][b] + self.m_cell)
 
-    def observe(self, buckets: np.ndarray, k: int, accepted: int) -> None:
+    def observe(self, buckets, k: int, accepted: int) -> None:
         """buckets[j-1] of positions 1..k verified, `accepted` of them accepted (a prefix)."""
-        f = self.forget
+        f, acc, n, pacc, pn = self.forget, self._acc, self._n, self._pool_acc, self._pool_n
         for j in range(1, min(accepted + 1, k) + 1):
             b, y = int(buckets[j - 1]), float(j <= accepted)
-            self.acc[j, b] = f * self.acc[j, b] + y
-            self.n[j, b] = f * self.n[j, b] + 1.0
-            self.pool_acc[b] = f * self.pool_acc[b] + y
-            self.pool_n[b] = f * self.pool_n[b] + 1.0
+            acc[j][b] = f * acc[j][b] + y
+            n[j][b] = f * n[j][b] + 1.0
+            pacc[b] = f * pacc[b] + y
+            pn[b] = f * pn[b] + 1.0
 
 
 def proposal_confidence(prop) -> np.ndarray | None:
@@ -128,6 +136,13 @@ def proposal_confidence(prop) -> np.ndarray | None:
 
 
 # ---------------------------------------------------------------- the rule
+# Hysteresis of draft_now: once drafting, keep drafting while its value is at least (1 - STAY) x
+# a plain step's. A plain step inside `auto` costs more than the cost table's c(1) says: 7 %
+# more than a target-only step after plain steps (the draft's tap rows, the rule), ~20 % more
+# right after a drafted step (docs/adaptive_width.md). Switching at break-even pays both.
+STAY = 0.1
+
+
 class AdaptiveWidth:
     """Per step: `draft_now` (before drafting) compares E(0) = 1/c(1) with the best E(k>=1)
     under the average survival of past drafted steps; `choose` (after drafting) extends the
@@ -139,10 +154,13 @@ class AdaptiveWidth:
     name = AUTO
 
     def __init__(self, costs: CostTable, B: int, online: bool = True, warm_steps: int = 3,
-                 probe_every: tuple[int, ...] = (2, 4, 8, 16, 24), mean_weight: float = 0.25):
+                 probe_every: tuple[int, ...] = (2, 4, 8, 16, 24), mean_weight: float = 0.25,
+                 stay: float = STAY):
         if costs.B < B:
             raise ValueError(f"cost table for {costs.B} rows, block of {B}")
         self.costs, self.B, self.online = costs, int(B), online
+        self.stay = float(stay)  # hysteresis: a drafting run goes on while drafting >= (1 - stay) x plain
+        self.drafting = True  # the regime of the last decision (the warm-up drafts)
         self.est = SurvivalEstimator(B)
         self.mean_S = 0.7 ** np.arange(B, dtype=np.float64)  # [B] average survival S_j of drafted steps (S_0 = 1)
         self.mean_weight = mean_weight
@@ -199,9 +217,12 @@ class AdaptiveWidth:
     def draft_now(self, kmax: int) -> bool:
         if self.warm_left > 0:
             return True
-        if self.drafting_value(kmax) > 1.0 / max(self.costs.verify_list[0], 1e-12):  # E(k >= 1) > E(0)
+        plain = 1.0 / max(self.costs.verify_list[0], 1e-12)  # E(0)
+        if self.drafting_value(kmax) > (plain * (1.0 - self.stay) if self.drafting else plain):  # E(k >= 1) vs E(0)
             self.plain_run, self.probe_level, self._probe = 0, 0, False
+            self.drafting = True
             return True
+        self.drafting = False
         self.plain_run += 1
         # re-test now and then (estimates go stale), unless even drafts that are always accepted
         # could not pay for their rows
@@ -216,17 +237,20 @@ class AdaptiveWidth:
         conf = proposal_confidence(prop)
         b = self.est.buckets(conf, kmax)
         self._buckets = b
-        c, D, mS = self.costs.verify_s, self.costs.draft_s, self.mean_S
+        bl = b.tolist()
+        c, D = self.costs.verify_list, self.costs.draft_s  # Python floats: cheaper per step
         rate = self.est.rate
         # the step's own survival of every position, for the average the gate uses (past
         # statistics for later steps; this step's decision reads positions <= j only, below)
-        S_full = np.empty(kmax + 1)
-        S_full[0] = 1.0
+        S_full = [1.0] * (kmax + 1)
         for j in range(1, kmax + 1):
-            S_full[j] = S_full[j - 1] * rate(j, int(b[j - 1]))
+            S_full[j] = S_full[j - 1] * rate(j, bl[j - 1])
         w = self.mean_weight if self.mean_seen else 1.0  # the first drafted step replaces the prior
         self.mean_seen = True
-        self.mean_S[1:kmax + 1] += w * (S_full[1:] - self.mean_S[1:kmax + 1])
+        mS = self.mean_S.tolist()
+        for j in range(1, kmax + 1):
+            mS[j] += w * (S_full[j] - mS[j])
+        self.mean_S[1:kmax + 1] = mS[1:kmax + 1]
         k, tokens = 0, 1.0
         for j in range(1, kmax + 1):
             Sj = S_full[j]  # reads confidences 1..j only
