@@ -9,8 +9,10 @@ latency bounds them; the operands live in registers):
   f32 FMA      llvm.fma on <16 x float> (AVX-512) or <8 x float> (AVX2), a multiply and an add
                on <4 x float> on the generic path (SSE2): what the bf16 panel GEMV's
                multiply-adds run on (a MAC = one lane of one FMA);
-  int8 avx2    vpmaddubsw + vpmaddwd + vpaddd per 32 u8 x s8 products (llama.cpp's sequence,
-               quant/kernels_int8.py's AVX2 path): 32 MACs per step;
+  int8 avx2    vpmaddubsw + vpmaddwd + vpaddd per 32 u8 x s8 products (q4_0's unsigned nibbles
+               on quant/kernels_int8.py's AVX2 path): 32 MACs per step;
+  int8 avx2 sign  the same after vpsignb: q8_0's signed weights x signed activations by
+               llama.cpp's sign trick (|w| x sign(w) x), the sequence the AVX2 q8_0 kernel needs;
   int8 vnni    vpdpbusd (zmm on avx512_vnni: 64 MACs, ymm on avx_vnni: 32).
 Each chain feeds its own result back (the int8 avx2 chain bitcasts its int32 sum to the next
 step's u8 operand), so LLVM can hoist nothing out of the loop. On 2 threads each thread runs the
@@ -65,7 +67,7 @@ def _probe(kind: str):
     if kind == "fma":
         W = isa.vector_bits() // 32
         vt, macs = ir.VectorType(f32, W), W
-    elif kind == "int8_avx2":
+    elif kind in ("int8_avx2", "int8_avx2_sign"):
         vt, macs = ir.VectorType(i32, 8), 32
     elif kind == "vnni512":
         vt, macs = ir.VectorType(i32, 16), 64
@@ -100,6 +102,20 @@ def _probe(kind: str):
 
                 def step(acc):
                     prod = builder.call(maddubs, [builder.bitcast(acc, vb), w])
+                    return builder.add(acc, builder.call(maddwd, [prod, ones]))
+            elif kind == "int8_avx2_sign":  # signed x signed (q8_0): the sign trick's vpsignb first
+                vb, vh = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
+                psign = fn("llvm.x86.avx2.psign.b", vb, [vb, vb])
+                maddubs = fn("llvm.x86.avx2.pmadd.ub.sw", vh, [vb, vb])
+                maddwd = fn("llvm.x86.avx2.pmadd.wd", vt, [vh, vh])
+                wv = [(3 * j) % 127 - 60 for j in range(32)]
+                w, absw = ir.Constant(vb, wv), ir.Constant(vb, [abs(v) for v in wv])
+                ones = ir.Constant(vh, [1] * 16)
+                init = [ir.Constant(vt, [k + j for j in range(8)]) for k in range(CHAINS)]
+
+                def step(acc):
+                    sx = builder.call(psign, [builder.bitcast(acc, vb), w])  # sign(w) * x
+                    prod = builder.call(maddubs, [absw, sx])  # |w| * sign(w) x
                     return builder.add(acc, builder.call(maddwd, [prod, ones]))
             else:
                 vb = ir.VectorType(i8, 4 * vt.count)
@@ -184,7 +200,7 @@ def peak_kinds() -> dict:
     elif path == "avx_vnni":
         kinds.update(q8_0="vnni256", q4_0="vnni256")
     elif path == "avx2":
-        kinds.update(q8_0="int8_avx2", q4_0="int8_avx2")
+        kinds.update(q8_0="int8_avx2_sign", q4_0="int8_avx2")  # q8_0's signed weights need vpsignb
     return kinds  # generic: no integer peak (plain vector IR, no single instruction to probe)
 
 
