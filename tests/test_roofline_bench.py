@@ -4,6 +4,7 @@ so LLVM removed nothing), and the streamed weights are distinct copies of the st
 import time
 
 import numpy as np
+import pytest
 
 from dflash2_numba.kernels import isa
 
@@ -32,7 +33,30 @@ def test_peak_kinds_follow_the_path():
     kinds = rl.peak_kinds()
     assert kinds["bf16"] == "fma"
     want = {"avx512_vnni": "vnni512", "avx_vnni": "vnni256", "avx2": "int8_avx2"}.get(isa.selected())
-    assert kinds.get("q8_0") == want and kinds.get("q4_0") == want
+    # AVX2: q8_0's signed weights take the sign trick (a vpsignb more), q4_0's nibbles do not
+    want_q8 = "int8_avx2_sign" if isa.selected() == "avx2" else want
+    assert kinds.get("q8_0") == want_q8 and kinds.get("q4_0") == want
+
+
+def test_sign_trick_probe_runs_its_loop_and_is_not_faster_than_the_plain_one():
+    """The q8_0 AVX2 roof: vpsignb + vpmaddubsw + vpmaddwd + vpaddd. Its loop runs (time grows
+    with the steps) and, being the plain probe plus an instruction, is not the faster one."""
+    if not isa.target_features().get("avx2"):
+        pytest.skip("no AVX2 on this host")
+    rl = load_bench("roofline.py", "roofline")
+    probe, _, macs = rl._probe("int8_avx2_sign")
+    probe(10)
+    t = {}
+    for n in (1 << 18, 1 << 21):
+        t[n] = min(_timed(probe, n) for _ in range(3))
+    assert t[1 << 21] > 4 * t[1 << 18] and macs == 32
+    assert rl.peak_gmacs("int8_avx2_sign", 1, seconds=0.05, rounds=3) <= 1.05 * rl.peak_gmacs("int8_avx2", 1, seconds=0.05, rounds=3)
+
+
+def _timed(f, n) -> float:
+    t = time.perf_counter()
+    f(n)
+    return time.perf_counter() - t
 
 
 def test_weights_are_distinct_copies(monkeypatch):
