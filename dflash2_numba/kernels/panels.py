@@ -41,7 +41,8 @@ Tiles are sized per register file (kernels/isa.py, what numba compiles for):
   12 independent FMA chains hide the FMA latency that 8 do not (the 512-bit 4x2 tile needs 32
   ymm accumulators on AVX2 and spilled: ~1/3 of FMA peak). In cache, [256, 2048]: 4 rows x half
   a panel 24.0-26.8 GMAC/s, 6 rows 28.7-30.5 (1 thread, peak 40). Then a group of 4 rows (8
-  accumulators; the generic path's only multi-row tile); remainders 2 rows x 2 half-panels, 1 row x 4 half-panels (8 accumulators each).
+  accumulators; the generic path's only multi-row tile); remainders 2 rows x 2 half-panels, and
+  1 row x 4 whole panels in one pass (1 row x 4 half-panels, twice, on the generic path).
 The tile shape never changes an output's chain (one fma per k, in order), so every path gives
 the same bits.
 """
@@ -250,6 +251,12 @@ else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module d
     _tile_4x1h = _tile(4, 1, PREFETCH_STEPS, LANES // 2, far=_SIX)
     _tile_2x2h = _tile(2, 2, PREFETCH_STEPS, LANES // 2)
     _tile_1x4h = _tile(1, 4, PREFETCH_STEPS, LANES // 2)
+    # one row on 256 bits: the whole panel width (<16 x float>, two ymm each) over the item's 4
+    # panels in ONE pass, each 64-byte line read whole, 4 streams; the half-panel tile read each
+    # line in two passes (the second from L2). Memory-bound, so its spills cost nothing:
+    # streamed [2048, 2048], DFLASH2_ISA=avx2, Zen 5, 1 thread, in-process: 22-28 -> 33.8 GB/s
+    # (docs/amd_epyc_zen5.md, session 13). Not on the generic path (SSE2: 4 xmm per vector)
+    _tile_1x4f = _tile(1, 4, PREFETCH_STEPS)
 
 
 # ------------------------------------------------------------------ drivers
@@ -277,7 +284,8 @@ def _item_wide(x, panels, scratch, p0):
 @njit(inline="always")
 def _item_narrow(x, panels, scratch, p0):
     """256-bit tiles: per panel and lane half, 6 rows at a time (not on the generic path), then
-    groups of 4; then 2 rows x 2 panels and 1 row x 4 panels per lane half."""
+    groups of 4; then 2 rows x 2 panels per lane half, and 1 row x 4 whole panels (per lane half
+    on the generic path)."""
     M = x.shape[0]
     full6 = M - M % 6 if _SIX else 0
     full = full6 + (M - full6) // 4 * 4
@@ -294,8 +302,11 @@ def _item_narrow(x, panels, scratch, p0):
                 _tile_2x2h(x, m0, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
         m0 += 2
     if M - m0 == 1:
-        for lane0 in range(0, LANES, LANES // 2):
-            _tile_1x4h(x, m0, panels, p0, lane0, scratch, 0)
+        if _SIX:
+            _tile_1x4f(x, m0, panels, p0, 0, scratch, 0)
+        else:
+            for lane0 in range(0, LANES, LANES // 2):
+                _tile_1x4h(x, m0, panels, p0, lane0, scratch, 0)
 
 
 _item_tiles = _item_wide if WIDE else _item_narrow
