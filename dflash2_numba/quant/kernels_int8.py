@@ -31,7 +31,8 @@
 Tiles: rows in groups of 4 (then 2, then 1) against a column group of one panel: 4 x 32
 columns = 8 int32 + 8 f32 zmm on AVX-512; 4 x 8 columns on 256-bit / generic (16 ymm: 4 + 4
 accumulators and the sign-trick temporaries); a last single row on AVX-512 takes the item's 4
-panels at once (4 memory streams). Rows beyond 32 (prefill) run the same kernel.
+panels at once (4 memory streams), on the 256-bit paths the whole panel in one pass. Rows
+beyond 32 (prefill) run the same kernel.
 """
 
 from __future__ import annotations
@@ -345,17 +346,25 @@ _T1P = ITEM_PANELS if MODE == "vnni512" else 1
 # 8 / 16 rows -6 / -19 / -8 / -12 / -3 %, q4_0 4 / 8 rows -12 / -3 %. Off on AVX-512 (one pass
 # over the whole panel: within the noise) and on the generic path (compute-bound: +-1 %)
 _FAR = MODE in ("avx2", "vnni256")
-_tiles = {fmt: (_tile(4, _G, fmt, far=_FAR), _tile(2, _G, fmt, far=_FAR), _tile(1, _T1P * _G, fmt, _T1P))
+# one row on the 256-bit paths: the whole panel (4 column groups) in one pass, each 128-byte
+# k-quad group of the panel read whole, instead of 4 passes of 8 columns that each read a quarter
+# of it (the first from memory, the rest from L2). Memory-bound, so the 16 ymm suffice. Streamed
+# [2048, 2048], DFLASH2_ISA=avx2, Zen 5, in one process (docs/amd_epyc_zen5.md, session 13):
+# q8_0 1 / 2 threads 200 -> 139 / 128 -> 102 us, q4_0 104 -> 85 / 62 -> 53 us. Same bits
+_WHOLE1 = MODE in ("avx2", "vnni256")
+_tiles = {fmt: (_tile(4, _G, fmt, far=_FAR), _tile(2, _G, fmt, far=_FAR),
+                _tile(1, PANEL_COLS // V, fmt) if _WHOLE1 else _tile(1, _T1P * _G, fmt, _T1P))
           for fmt in ("q8_0", "q4_0")}
 _q8_4, _q8_2, _q8_1 = _tiles["q8_0"]
 _q4_4, _q4_2, _q4_1 = _tiles["q4_0"]
 
 
 # ------------------------------------------------------------------ drivers
-def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1):
+def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1, t1_whole=False):
     """The driver of one work item (ITEM_PANELS panels) over tiles t4 / t2 / t1 (4 / 2 / 1 rows)
     of `group_cols` columns each (kernels_q4k.py reuses it with its own tiles); t1 covers
-    `t1_panels` panels side by side (1 or ITEM_PANELS)."""
+    `t1_panels` panels side by side (1 or ITEM_PANELS), or with `t1_whole` all PANEL_COLS columns
+    of its panel (called once per panel, at col0 0)."""
 
     @njit(inline="always")
     def item(xq, xs, xc, qw, ws, y, b):
@@ -373,7 +382,7 @@ def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1):
                 if M - m0 >= 2:
                     t2(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
                     m0 += 2
-                if M - m0 == 1 and pp % t1_panels == 0:
+                if M - m0 == 1 and pp % t1_panels == 0 and (col0 == 0 or not t1_whole):
                     t1(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
         n0 = b * ITEM_COLS
         for r in range(M):
@@ -383,8 +392,8 @@ def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1):
     return item
 
 
-_item_q8 = _make_item(_q8_4, _q8_2, _q8_1, t1_panels=_T1P)
-_item_q4 = _make_item(_q4_4, _q4_2, _q4_1, t1_panels=_T1P)
+_item_q8 = _make_item(_q8_4, _q8_2, _q8_1, t1_panels=_T1P, t1_whole=_WHOLE1)
+_item_q4 = _make_item(_q4_4, _q4_2, _q4_1, t1_panels=_T1P, t1_whole=_WHOLE1)
 
 
 def _item(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the overload
