@@ -25,31 +25,18 @@ sys.path.insert(0, str(ROOT / "bench"))
 from acceptance import machine_info  # noqa: E402
 
 from dflash2_numba.kernels import isa  # noqa: E402
-from dflash2_numba.models.selector import TOPK_CHUNK, _top_k_rows  # noqa: E402
+from dflash2_numba.models.selector import TOPK_CHUNK, _top_k_rows, _topk_insert  # noqa: E402
 
 
 @njit(cache=True, nogil=True)
 def one_by_one(z, valid_vocab, ids, vals):
-    """The previous kernel: every id offered to the sorted list of K (same ordering rules)."""
+    """The previous kernel: every id offered to the sorted list of K (the same insert step)."""
     k, V = z.shape
     K = ids.shape[1]
     for l in range(k):
         n = 0
         for t in range(V):
-            v = z[l, t] if t < valid_vocab else -np.inf
-            if v != v:
-                v = -np.inf
-            if n == K and not v > vals[l, K - 1]:
-                continue
-            pos = min(n, K - 1)
-            while pos > 0 and vals[l, pos - 1] < v:
-                if pos < K:
-                    vals[l, pos] = vals[l, pos - 1]
-                    ids[l, pos] = ids[l, pos - 1]
-                pos -= 1
-            vals[l, pos] = v
-            ids[l, pos] = t
-            n = min(n + 1, K)
+            n = _topk_insert(z, l, t, valid_vocab, ids, vals, n, K)
 
 
 def median_us(fn, z, valid, K, reps=200) -> float:
