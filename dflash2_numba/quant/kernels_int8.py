@@ -352,19 +352,18 @@ _FAR = MODE in ("avx2", "vnni256")
 # [2048, 2048], DFLASH2_ISA=avx2, Zen 5, in one process (docs/amd_epyc_zen5.md, session 13):
 # q8_0 1 / 2 threads 200 -> 139 / 128 -> 102 us, q4_0 104 -> 85 / 62 -> 53 us. Same bits
 _WHOLE1 = MODE in ("avx2", "vnni256")
-_tiles = {fmt: (_tile(4, _G, fmt, far=_FAR), _tile(2, _G, fmt, far=_FAR),
-                _tile(1, PANEL_COLS // V, fmt) if _WHOLE1 else _tile(1, _T1P * _G, fmt, _T1P))
+_tiles = {fmt: (_tile(4, _G, fmt, far=_FAR), _tile(2, _G, fmt, far=_FAR), _tile(1, _T1P * _G, fmt, _T1P))
           for fmt in ("q8_0", "q4_0")}
+_rows1 = {fmt: _tile(1, PANEL_COLS // V, fmt) for fmt in ("q8_0", "q4_0")} if _WHOLE1 else {}
 _q8_4, _q8_2, _q8_1 = _tiles["q8_0"]
 _q4_4, _q4_2, _q4_1 = _tiles["q4_0"]
 
 
 # ------------------------------------------------------------------ drivers
-def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1, t1_whole=False):
+def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1):
     """The driver of one work item (ITEM_PANELS panels) over tiles t4 / t2 / t1 (4 / 2 / 1 rows)
     of `group_cols` columns each (kernels_q4k.py reuses it with its own tiles); t1 covers
-    `t1_panels` panels side by side (1 or ITEM_PANELS), or with `t1_whole` all PANEL_COLS columns
-    of its panel (called once per panel, at col0 0)."""
+    `t1_panels` panels side by side (1 or ITEM_PANELS)."""
 
     @njit(inline="always")
     def item(xq, xs, xc, qw, ws, y, b):
@@ -382,7 +381,7 @@ def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1, t1_whole=False):
                 if M - m0 >= 2:
                     t2(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
                     m0 += 2
-                if M - m0 == 1 and pp % t1_panels == 0 and (col0 == 0 or not t1_whole):
+                if M - m0 == 1 and pp % t1_panels == 0:
                     t1(xq, xs, xc, m0, qw, ws, p, col0, scratch, pp * PANEL_COLS)
         n0 = b * ITEM_COLS
         for r in range(M):
@@ -392,8 +391,30 @@ def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1, t1_whole=False):
     return item
 
 
-_item_q8 = _make_item(_q8_4, _q8_2, _q8_1, t1_panels=_T1P, t1_whole=_WHOLE1)
-_item_q4 = _make_item(_q4_4, _q4_2, _q4_1, t1_panels=_T1P, t1_whole=_WHOLE1)
+_item_q8 = _make_item(_q8_4, _q8_2, _q8_1, t1_panels=_T1P)
+_item_q4 = _make_item(_q4_4, _q4_2, _q4_1, t1_panels=_T1P)
+
+
+def _make_row_item(t1):
+    """A product of ONE row on the 256-bit paths (`_WHOLE1`): the whole-panel tile t1 once per
+    panel. Its own driver: inlined into the multi-row item, the larger tile made the 4- and 8-row
+    products 4-11 % slower (code layout), so those keep their item as it was."""
+
+    @njit(inline="always")
+    def row_item(xq, xs, xc, qw, ws, y, b):
+        N = y.shape[1]
+        scratch = np.empty((1, ITEM_COLS), np.float32)  # [1, 128]
+        for pp in range(ITEM_PANELS):
+            t1(xq, xs, xc, 0, qw, ws, b * ITEM_PANELS + pp, 0, scratch, pp * PANEL_COLS)
+        n0 = b * ITEM_COLS
+        for j in range(min(ITEM_COLS, N - n0)):
+            y[0, n0 + j] = scratch[0, j]
+
+    return row_item
+
+
+_row_q8 = _make_row_item(_rows1["q8_0"]) if _WHOLE1 else _item_q8
+_row_q4 = _make_row_item(_rows1["q4_0"]) if _WHOLE1 else _item_q4
 
 
 def _item(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the overload
@@ -426,16 +447,38 @@ def _quantize_activations(x, ws):
     return lambda x, ws: quantize_rows(x, ws.shape[1] * BLOCK)
 
 
+def _row(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the overload
+    raise NotImplementedError
+
+
+@overload(_row, inline="always")
+def _row_impl(xq, xs, xc, qw, ws, y, b):
+    """The one-row driver of the format (Q4_K: its item)."""
+    if ws.dtype == types.uint8:
+        from .kernels_q4k import item_q4k
+
+        return item_q4k.py_func
+    return (_row_q4 if qw.dtype == types.uint8 else _row_q8).py_func
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _gemv_quant_par(xq, xs, xc, qw, ws, y):
-    for b in prange(qw.shape[0] // ITEM_PANELS):
-        _item(xq, xs, xc, qw, ws, y, b)
+    if _WHOLE1 and xq.shape[0] == 1:
+        for b in prange(qw.shape[0] // ITEM_PANELS):
+            _row(xq, xs, xc, qw, ws, y, b)
+    else:
+        for b in prange(qw.shape[0] // ITEM_PANELS):
+            _item(xq, xs, xc, qw, ws, y, b)
 
 
 @njit(cache=True, nogil=True)
 def _gemv_quant_ser(xq, xs, xc, qw, ws, y):
-    for b in range(qw.shape[0] // ITEM_PANELS):
-        _item(xq, xs, xc, qw, ws, y, b)
+    if _WHOLE1 and xq.shape[0] == 1:
+        for b in range(qw.shape[0] // ITEM_PANELS):
+            _row(xq, xs, xc, qw, ws, y, b)
+    else:
+        for b in range(qw.shape[0] // ITEM_PANELS):
+            _item(xq, xs, xc, qw, ws, y, b)
 
 
 @njit(inline="always")
