@@ -46,6 +46,7 @@ from numba.extending import intrinsic, overload
 from ..kernels import isa
 from ..numerics import _f32_as_u32, _u32_as_f32
 from .formats import BLOCK, ITEM_COLS, ITEM_PANELS, PANEL_COLS
+from .ir_helpers import ir_column_sums, ir_fn, ir_half_to_float, ir_splat
 
 MODES = {"avx512_vnni": "vnni512", "avx_vnni": "vnni256", "avx2": "avx2", "generic": "generic"}
 MODE = MODES[isa.selected()]
@@ -98,42 +99,6 @@ def quantize_rows(x, Kp):
                 total += np.int32(q)
             xc[r, b] = np.int32(128) * np.int32(total)
     return xq, xs, xc
-
-
-# ------------------------------------------------------------------ LLVM IR helpers (also kernels_q4k.py)
-def ir_fn(builder, name, ret, argtys):
-    """Declare (once per module) and return the LLVM function `name`."""
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
-
-
-def ir_splat(builder, scalar, vty):
-    """<n x T> of `scalar` in every lane."""
-    undef = ir.Constant(vty, ir.Undefined)
-    one = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count))
-
-
-def ir_column_sums(builder, prod, V):
-    """<4V x i32> products, 4 per column in a row -> <V x i32> each column's sum (generic path)."""
-    undef = ir.Constant(prod.type, ir.Undefined)
-    part = [builder.shuffle_vector(prod, undef, ir.Constant(ir.VectorType(ir.IntType(32), V),
-                                                            [4 * i + j for i in range(V)])) for j in range(4)]
-    return builder.add(builder.add(part[0], part[1]), builder.add(part[2], part[3]))
-
-
-def ir_half_to_float(builder, h, vi, vf):
-    """<V x i16> fp16 bits -> <V x float>, exact, in integer ops and one multiply: the magnitude
-    bits shifted into an f32 are the value times 2^-112 (normal and subnormal fp16 alike), so
-    times 2^112 is the value; then the sign. (LLVM's fpext from half needs F16C or a runtime
-    call numba's JIT lacks; scales are never inf or NaN.)"""
-    i32, f32 = ir.IntType(32), ir.FloatType()
-    w = builder.zext(h, vi)
-    mag = builder.shl(builder.and_(w, ir_splat(builder, ir.Constant(i32, 0x7FFF), vi)),
-                      ir_splat(builder, ir.Constant(i32, 13), vi))
-    sign = builder.shl(builder.and_(w, ir_splat(builder, ir.Constant(i32, 0x8000), vi)),
-                       ir_splat(builder, ir.Constant(i32, 16), vi))
-    val = builder.fmul(builder.bitcast(mag, vf), ir_splat(builder, ir.Constant(f32, 2.0 ** 112), vf))
-    return builder.bitcast(builder.or_(builder.bitcast(val, vi), sign), vf)
 
 
 # ------------------------------------------------------------------ micro-kernel (LLVM IR)
@@ -346,11 +311,9 @@ _T1P = ITEM_PANELS if MODE == "vnni512" else 1
 # 8 / 16 rows -6 / -19 / -8 / -12 / -3 %, q4_0 4 / 8 rows -12 / -3 %. Off on AVX-512 (one pass
 # over the whole panel: within the noise) and on the generic path (compute-bound: +-1 %)
 _FAR = MODE in ("avx2", "vnni256")
-# one row on the 256-bit paths: the whole panel (4 column groups) in one pass, each 128-byte
-# k-quad group of the panel read whole, instead of 4 passes of 8 columns that each read a quarter
-# of it (the first from memory, the rest from L2). Memory-bound, so the 16 ymm suffice. Streamed
-# [2048, 2048], DFLASH2_ISA=avx2, Zen 5, in one process (docs/amd_epyc_zen5.md, session 13):
-# q8_0 1 / 2 threads 200 -> 139 / 128 -> 102 us, q4_0 104 -> 85 / 62 -> 53 us. Same bits
+# one row on the 256-bit paths: the whole panel in one pass (each 128-byte k-quad group read whole),
+# not 4 passes of 8 columns reading a quarter each. Streamed [2048, 2048], DFLASH2_ISA=avx2, Zen 5
+# (docs/amd_epyc_zen5.md, session 13): q8_0 1 / 2 threads 200 -> 139 / 128 -> 102 us, q4_0 104 -> 85 us
 _WHOLE1 = MODE in ("avx2", "vnni256")
 _tiles = {fmt: (_tile(4, _G, fmt, far=_FAR), _tile(2, _G, fmt, far=_FAR), _tile(1, _T1P * _G, fmt, _T1P))
           for fmt in ("q8_0", "q4_0")}

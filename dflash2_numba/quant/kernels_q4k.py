@@ -32,7 +32,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .formats import PANEL_COLS
-from .kernels_int8 import MODE, VNNI, V, _make_item, ir_column_sums, ir_fn, ir_half_to_float, ir_splat
+from .ir_helpers import ir_column_sums, ir_fn, ir_half_to_float, ir_splat
+from .kernels_int8 import MODE, VNNI, V, _make_item
 from .q4_k import META_BYTES, QK_K, SUB, nearest_int, unpack_blocks
 
 GROUP_COLS = V  # columns per tile
