@@ -158,7 +158,7 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
         misses (~20 us on the embedded pair, 10-15 % of its one-row step)."""
         logits, _ = target.forward(ids[context:context + r], cache, tap_layers=taps_layers)  # [r, V]
         check_finite(logits, "cost sweep", context)
-        a, _ = verify_block(mask_padded(logits, vv), ids[context + 1:context + r], None, greedy, rng)
+        verify_block(mask_padded(logits, vv), ids[context + 1:context + r], None, greedy, rng)
         cache.commit(context)  # (the sweep keeps the prefix only; a step commits start + a + 1)
 
     vv = valid_vocab(target)

@@ -380,21 +380,6 @@ _row_q8 = _make_row_item(_rows1["q8_0"]) if _WHOLE1 else _item_q8
 _row_q4 = _make_row_item(_rows1["q4_0"]) if _WHOLE1 else _item_q4
 
 
-def _item(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the overload
-    raise NotImplementedError
-
-
-@overload(_item, inline="always")
-def _item_impl(xq, xs, xc, qw, ws, y, b):
-    """The format's item driver, chosen by the panels' dtypes at compile time: Q4_K panels
-    (kernels_q4k.py) have uint8 metadata, q4_0 uint8 nibbles, q8_0 int8 weights."""
-    if ws.dtype == types.uint8:
-        from .kernels_q4k import item_q4k  # imported here: kernels_q4k builds on this module
-
-        return item_q4k.py_func
-    return (_item_q4 if qw.dtype == types.uint8 else _item_q8).py_func
-
-
 def quantize_activations(x, ws):  # pragma: no cover - typing stub, see the overload
     raise NotImplementedError
 
@@ -410,38 +395,41 @@ def _quantize_activations(x, ws):
     return lambda x, ws: quantize_rows(x, ws.shape[1] * BLOCK)
 
 
-def _row(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the overload
+def _item(xq, xs, xc, qw, ws, y, b):  # pragma: no cover - typing stub, see the overload
     raise NotImplementedError
 
 
-@overload(_row, inline="always")
-def _row_impl(xq, xs, xc, qw, ws, y, b):
-    """The one-row driver of the format (Q4_K: its item)."""
+@overload(_item, inline="always")
+def _item_impl(xq, xs, xc, qw, ws, y, b):
+    """Work item b (output columns b*128 ..) of the format, chosen by the panels' dtypes at
+    compile time: Q4_K panels (kernels_q4k.py) have uint8 metadata, q4_0 uint8 nibbles, q8_0
+    int8 weights. A product of one row on the 256-bit paths takes its own driver
+    (`_make_row_item`), every other one the multi-row item."""
     if ws.dtype == types.uint8:
-        from .kernels_q4k import item_q4k
+        from .kernels_q4k import item_q4k  # imported here: kernels_q4k builds on this module
 
         return item_q4k.py_func
-    return (_row_q4 if qw.dtype == types.uint8 else _row_q8).py_func
+    row, item = (_row_q4, _item_q4) if qw.dtype == types.uint8 else (_row_q8, _item_q8)
+
+    def work(xq, xs, xc, qw, ws, y, b):
+        if _WHOLE1 and xq.shape[0] == 1:
+            row(xq, xs, xc, qw, ws, y, b)
+        else:
+            item(xq, xs, xc, qw, ws, y, b)
+
+    return work
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _gemv_quant_par(xq, xs, xc, qw, ws, y):
-    if _WHOLE1 and xq.shape[0] == 1:
-        for b in prange(qw.shape[0] // ITEM_PANELS):
-            _row(xq, xs, xc, qw, ws, y, b)
-    else:
-        for b in prange(qw.shape[0] // ITEM_PANELS):
-            _item(xq, xs, xc, qw, ws, y, b)
+    for b in prange(qw.shape[0] // ITEM_PANELS):
+        _item(xq, xs, xc, qw, ws, y, b)
 
 
 @njit(cache=True, nogil=True)
 def _gemv_quant_ser(xq, xs, xc, qw, ws, y):
-    if _WHOLE1 and xq.shape[0] == 1:
-        for b in range(qw.shape[0] // ITEM_PANELS):
-            _row(xq, xs, xc, qw, ws, y, b)
-    else:
-        for b in range(qw.shape[0] // ITEM_PANELS):
-            _item(xq, xs, xc, qw, ws, y, b)
+    for b in range(qw.shape[0] // ITEM_PANELS):
+        _item(xq, xs, xc, qw, ws, y, b)
 
 
 @njit(inline="always")
