@@ -106,6 +106,31 @@ def test_hysteresis_keeps_a_drafting_run_near_break_even_and_a_plain_run_too():
         assert not rule.draft_now(B - 1)  # a plain run: 0.95x does not make it draft again
 
 
+def test_retests_cost_at_most_their_share_of_the_plain_steps():
+    """A run of plain steps is re-tested (a drafted step with >= 2 drafts) only once the plain
+    steps since the last drafted one have cost 1 / PROBE_SHARE x the re-test's price: the
+    draft's step, the rows past one and the context backlog fed first. c(r) = 1 + 0.5 (r - 1) s,
+    D = 0.5 s, feed 0.01 s a row: a re-test with a 50-row backlog costs 0.5 + 1.0 + 0.5 = 2 s,
+    so one per 2 / 0.015 = 133.3 plain seconds (the re-test's own step counted as the plain step
+    it replaces: every 134th step at c(1) = 1 s)."""
+    B = 8
+    rule = W.AdaptiveWidth(W.CostTable(1.0 + 0.5 * np.arange(B), 0.5, "injected", feed_s=0.01), B,
+                           online=False, warm_steps=0)
+    rule.drafting, rule.drafting_value = False, lambda kmax: 0.1  # drafting never pays on average
+    probes, plain_s = [], 0.0
+    for step in range(1000):
+        assert rule.catch_up_pays(50, 10**6, B - 1)  # 50 rows pending before each decision
+        if rule.draft_now(B - 1):
+            assert rule.probe_cost(B - 1) == pytest.approx(2.0)
+            assert (plain_s + 1.0) * W.PROBE_SHARE >= 2.0  # earned (the step it replaces counts as plain)
+            assert plain_s * W.PROBE_SHARE < 2.0  # and not earlier
+            probes.append(step)
+            plain_s = 0.0
+        else:
+            plain_s += 1.0
+    assert probes[0] == 133 and np.all(np.diff(probes) == 134)  # 133 plain steps, then the re-test
+
+
 def test_choice_reads_confidences_of_earlier_positions_only():
     """Position j's verify decision may read confidences 1..j, not j+1.. (under sampling, a
     DFlash2 walk's row j+1 depends on the token drawn at j): changing the confidence of the
@@ -235,12 +260,16 @@ def test_injected_costs_end_to_end():
     r = generate(target, draft, prompt_ids=prompt, max_new_tokens=64, width=exp_rule)
     assert r.output_ids == ref
     assert r.stats.width_histogram[0] == r.stats.steps and r.stats.drafted_steps == 3  # the warm-up's only
-    # rows not free but affordable for a perfect draft: the plain steps are re-tested (probes)
-    mid_rule = _rule(1.0 + 0.5 * np.arange(8), 0.5)
-    mid_rule.est.rate = lambda j, b: 0.05  # a draft that is almost never right
-    r = generate(target, draft, prompt_ids=prompt, max_new_tokens=64, width=mid_rule)
-    assert r.output_ids == ref and 3 < r.stats.drafted_steps < 3 + 8
-    assert r.stats.width_histogram[0] > r.stats.steps - r.stats.drafted_steps
+    # rows not free but affordable for a perfect draft: the plain steps are re-tested (probes),
+    # once their seconds have earned a re-test's price: D + c(3) - c(1) = 1.5 s at PROBE_SHARE
+    # 1.5 % -> one per 100 plain seconds (c(1) = 1 s): none in 64 steps, some in 400
+    for n_new, lo, hi in ((64, 3, 3), (400, 4, 3 + 8)):
+        mid_rule = _rule(1.0 + 0.5 * np.arange(8), 0.5)
+        mid_rule.est.rate = lambda j, b: 0.05  # a draft that is almost never right
+        ref_n = greedy_reference(target, prompt, n_new)
+        r = generate(target, draft, prompt_ids=prompt, max_new_tokens=n_new, width=mid_rule)
+        assert r.output_ids == ref_n and lo <= r.stats.drafted_steps <= hi
+        assert r.stats.width_histogram[0] > r.stats.steps - r.stats.drafted_steps
     free_rule = _rule(np.ones(8), 0.0)
     r = generate(target, draft, prompt_ids=prompt, max_new_tokens=64, width=free_rule)
     assert r.output_ids == ref
