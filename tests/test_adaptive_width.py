@@ -106,29 +106,27 @@ def test_hysteresis_keeps_a_drafting_run_near_break_even_and_a_plain_run_too():
         assert not rule.draft_now(B - 1)  # a plain run: 0.95x does not make it draft again
 
 
-def test_retests_cost_at_most_their_share_of_the_plain_steps():
+@pytest.mark.parametrize("closeness, share", [(0.1, 0.015), (0.5, 0.015), (0.95, 0.015 + 0.9 * 0.085)])
+def test_retests_cost_at_most_their_share_of_the_plain_steps(closeness, share):
     """A run of plain steps is re-tested (a drafted step with >= 2 drafts) only once the plain
-    steps since the last drafted one have cost 1 / PROBE_SHARE x the re-test's price: the
-    draft's step, the rows past one and the context backlog fed first. c(r) = 1 + 0.5 (r - 1) s,
-    D = 0.5 s, feed 0.01 s a row: a re-test with a 50-row backlog costs 0.5 + 1.0 + 0.5 = 2 s,
-    so one per 2 / 0.015 = 133.3 plain seconds (the re-test's own step counted as the plain step
-    it replaces: every 134th step at c(1) = 1 s)."""
+    steps since the last drafted one have cost 1 / share x the re-test's price: the draft's
+    step, the rows past one and the context backlog fed first. The share is 1.5 % where drafting
+    was last valued at <= half a plain step, rising linearly to 10 % at break-even.
+    c(r) = 1 + 0.5 (r - 1) s, D = 0.5 s, feed 0.01 s a row: a re-test with a 50-row backlog costs
+    0.5 + 1.0 + 0.5 = 2 s, so every n-th step is one, n = ceil(2 / share) (the re-test's own
+    step counted as the plain step it replaces; c(1) = 1 s)."""
     B = 8
     rule = W.AdaptiveWidth(W.CostTable(1.0 + 0.5 * np.arange(B), 0.5, "injected", feed_s=0.01), B,
-                           online=False, warm_steps=0)
-    rule.drafting, rule.drafting_value = False, lambda kmax: 0.1  # drafting never pays on average
-    probes, plain_s = [], 0.0
+                           online=False, warm_steps=0, probe_every=(1,))  # the schedule never binds here
+    rule.drafting, rule.drafting_value = False, lambda kmax: closeness  # x E(0) = 1 / c(1) = 1
+    n = int(np.ceil(2.0 / share))
+    probes = []
     for step in range(1000):
         assert rule.catch_up_pays(50, 10**6, B - 1)  # 50 rows pending before each decision
         if rule.draft_now(B - 1):
             assert rule.probe_cost(B - 1) == pytest.approx(2.0)
-            assert (plain_s + 1.0) * W.PROBE_SHARE >= 2.0  # earned (the step it replaces counts as plain)
-            assert plain_s * W.PROBE_SHARE < 2.0  # and not earlier
             probes.append(step)
-            plain_s = 0.0
-        else:
-            plain_s += 1.0
-    assert probes[0] == 133 and np.all(np.diff(probes) == 134)  # 133 plain steps, then the re-test
+    assert probes[0] == n - 1 and np.all(np.diff(probes) == n)  # n - 1 plain steps, then the re-test
 
 
 def test_choice_reads_confidences_of_earlier_positions_only():

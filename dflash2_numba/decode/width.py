@@ -142,12 +142,19 @@ def proposal_confidence(prop) -> np.ndarray | None:
 # right after a drafted step (docs/adaptive_width.md). Switching at break-even pays both.
 STAY = 0.1
 # A re-test (a drafted step inside a run of plain steps, decode/batch_width.py does the same)
-# may cost at most this share of the plain steps' seconds since the last drafted step: its price
+# may cost at most a share of the plain steps' seconds since the last drafted step: its price
 # is the draft's step, the rows it verifies beyond one and the context backlog it feeds the
-# draft first. On a pair whose drafts never pay, the re-tests then cost <= 1.5 % of the run; on
-# the embedded pair a fixed schedule (every 2, 4, 8, 16, 24 plain steps) cost 10-18 % of a
-# 128-token run, each re-test paying a backlog catch-up (docs/adaptive_width.md).
-PROBE_SHARE = 0.015
+# draft first. The share grows from PROBE_SHARE, where drafting was last valued at half a plain
+# step or less (a re-test rarely finds it paying), to PROBE_SHARE_NEAR at break-even (where it
+# often does). On the embedded pair a fixed schedule (every 2, 4, 8, 16, 24 plain steps) cost
+# 10-18 % of a 128-token run, each re-test paying a backlog catch-up (docs/adaptive_width.md).
+PROBE_SHARE, PROBE_SHARE_NEAR = 0.015, 0.1
+
+
+def probe_share(closeness: float) -> float:
+    """The share of plain seconds a re-test may cost; closeness = drafting's value / a plain step's."""
+    t = min(max((closeness - 0.5) / 0.5, 0.0), 1.0)
+    return PROBE_SHARE + t * (PROBE_SHARE_NEAR - PROBE_SHARE)
 
 
 class AdaptiveWidth:
@@ -228,7 +235,8 @@ class AdaptiveWidth:
         if self.warm_left > 0:
             return True
         plain = 1.0 / max(self.costs.verify_list[0], 1e-12)  # E(0)
-        if self.drafting_value(kmax) > (plain * (1.0 - self.stay) if self.drafting else plain):  # E(k >= 1) vs E(0)
+        value = self.drafting_value(kmax)
+        if value > (plain * (1.0 - self.stay) if self.drafting else plain):  # E(k >= 1) vs E(0)
             self.plain_run, self.probe_level, self._probe, self.plain_s = 0, 0, False, 0.0
             self.drafting = True
             return True
@@ -238,7 +246,8 @@ class AdaptiveWidth:
         # re-test now and then (estimates go stale) once the plain steps since the last one
         # have earned its price (PROBE_SHARE), unless even drafts that are always accepted
         # could not pay for their rows
-        if self.plain_run > self.probe_every[self.probe_level] and self.plain_s * PROBE_SHARE >= self.probe_cost(kmax) \
+        if self.plain_run > self.probe_every[self.probe_level] and \
+                self.plain_s * probe_share(value / plain) >= self.probe_cost(kmax) \
                 and self._best_value(np.ones(kmax + 1), kmax)[0] > 0:
             self.plain_run, self._probe, self.plain_s = 0, True, 0.0
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
