@@ -148,14 +148,22 @@ def test_choice_reads_confidences_of_earlier_positions_only():
 def test_cost_table_is_monotone_and_refreshed_online():
     t = W.CostTable(np.array([1.0, 0.8, 3.0, 2.0]), 0.5)  # a burst of load on rows 1 and 3
     assert t.verify_s.tolist() == [0.8, 0.8, 2.0, 2.0]
-    # rows 2 take 1.2: offset (1.2 - 0.8) * 0.5 = 0.2 for row 2 and for the rows not seen yet
+    # rows 2 take 1.2: the first sample of a count replaces its ratio (weight max(0.5, 1/1)):
+    # 1.2 / 0.8 = 1.5 for row 2 and, as the average over all counts, for the rows not seen yet
     t.observe_verify(2, 1.2, weight=0.5)
-    np.testing.assert_allclose(t.verify_s, [1.0, 1.0, 2.2, 2.2])
-    # rows 4 take 10 (a burst): clipped to 1.5 x 2.2 = 3.3; offset of row 4 (and the unseen
-    # rows 1, 3) 0.2 + 0.5 (1.3 - 0.2) = 0.75; row 2 keeps 0.2 but is lifted to row 1's 1.55
+    np.testing.assert_allclose(t.verify_s, [1.2, 1.2, 3.0, 3.0])
+    # rows 4 take 10 (a burst): clipped to 1.5 x 3.0 = 4.5, ratio 4.5 / 2.0 = 2.25 for row 4;
+    # over all counts 1.5 + max(0.5, 1/2) (2.25 - 1.5) = 1.875 for the unseen rows 1 and 3;
+    # row 2 keeps 1.5 (1.2) but is lifted to row 1's 0.8 x 1.875 = 1.5
     t.observe_verify(4, 10.0, weight=0.5)
-    np.testing.assert_allclose(t.verify_s, [1.55, 1.55, 2.75, 2.75])
-    t.observe_draft(5.0, weight=0.5)  # clipped to 0.75
+    np.testing.assert_allclose(t.verify_s, [1.5, 1.5, 3.75, 4.5])
+    # later samples move by the weight: rows 2 at 1.04 (ratio 1.3) -> row 2's ratio 1.5 + 0.5 (1.3
+    # - 1.5) = 1.4 (1.12 s), all counts' 1.875 + 0.5 (1.3 - 1.875) = 1.5875: row 1 (unseen) 1.27 s
+    t.observe_verify(2, 1.04, weight=0.5)
+    np.testing.assert_allclose(t.verify_s, [1.27, 1.27, 3.175, 4.5])
+    t.observe_draft(5.0, weight=0.5)  # clipped to 0.75; the first sample replaces the swept 0.5
+    assert t.draft_s == 0.75
+    t.observe_draft(0.5, weight=0.5)  # then the weight: 0.75 + 0.5 (0.5 - 0.75)
     assert t.draft_s == 0.625
     assert t.frozen().verify_s.tolist() == [0.8, 0.8, 2.0, 2.0] and t.frozen().draft_s == 0.5
 
