@@ -12,9 +12,13 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 # the adaptive width's cost tables (decode/width.py) go to a per-session directory, not beside
 # the kernel cache: a test's tiny pairs live in temporary directories (CLI subprocesses inherit it)
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-os.environ.setdefault("DFLASH2_COST_CACHE", tempfile.mkdtemp(prefix="dflash2-costs-"))
+if "DFLASH2_COST_CACHE" not in os.environ:
+    os.environ["DFLASH2_COST_CACHE"] = tempfile.mkdtemp(prefix="dflash2-costs-")
+    atexit.register(shutil.rmtree, os.environ["DFLASH2_COST_CACHE"], ignore_errors=True)  # no dir left in /tmp
 
 
 import numba  # noqa: E402  (after NUMBA_ENABLE_CUDASIM is set)
