@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .width import AUTO, PROBE_SHARE, AdaptiveWidth, CostTable, SurvivalEstimator, costs_for, proposal_confidence
+from .width import AUTO, AdaptiveWidth, CostTable, SurvivalEstimator, costs_for, proposal_confidence
 
 
 GAIN_STALE = 256  # steps after which a realized gain no longer decides (the model does again)
+PROBE_SHARE = 0.015  # a re-test may cost up to this share of the plain steps' time since the last
 
 
 def _best_n(scores: np.ndarray, tokens: float, rows: int, D: float, c: np.ndarray) -> tuple[int, float]:

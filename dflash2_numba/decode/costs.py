@@ -27,12 +27,10 @@ class CostTable:
     """verify_s[r-1] = seconds of a target verify of r rows (r = 1..B), draft_s = seconds of
     one draft step (context update of the last step's tokens + the B-row proposal). `sweep_*`
     keep the measured values; `verify_s` / `draft_s` are refreshed online from real step times
-    (`observe_*`): per row count an average of measured / swept (the machine's speed now against
-    the sweep's, which may be a cached table from another hour), and for counts not seen yet the
-    same average over all counts. The averages are exponential (weight w) but start as plain
-    means (weight max(w, 1 / n) for the n-th sample): a run's first measured steps replace a
-    stale table at once instead of moving it by w. Samples are clipped to CLIP x the estimate,
-    so one step slowed by a burst of load moves it by a bounded step."""
+    (`observe_*`): per row count an exponential average of (measured - swept), and for counts
+    not seen yet the same average over all counts (the per-step overhead the sweep does not
+    time: sampling, acceptance, bookkeeping). Samples are clipped to CLIP x the estimate, so one
+    step slowed by a burst of load moves it by a few per cent only."""
     verify_s: np.ndarray  # [B] f64
     draft_s: float
     source: str = "sweep"  # "sweep" | "cache" | "injected"
@@ -53,10 +51,9 @@ class CostTable:
             self.sweep_verify_s, self.sweep_draft_s = v.copy(), self.draft_s
         # the online state on Python floats (a plain decode step refreshes it: a few us in numpy)
         self._sweep = self.sweep_verify_s.tolist()
-        self._ratio = [1.0] * len(v)  # per row count: average measured / swept
-        self._n = [0] * len(v)  # samples per row count (0: not seen)
-        self._ratio_all, self._n_all = 1.0, 0  # the same over every observation
-        self._n_draft = 0
+        self._off = [0.0] * len(v)  # per row count: average (measured - swept)
+        self._seen = [False] * len(v)
+        self._off_all = 0.0  # the same over every observation
         self.verify_list = v.tolist()  # verify_s as Python floats, for the width rule's per-step arithmetic
 
     @property
@@ -74,17 +71,15 @@ class CostTable:
         cur = self.verify_list[i]
         if cur > 0:
             seconds = min(max(seconds, cur / CLIP), cur * CLIP)
-        swept = self._sweep[i]
-        if swept <= 0:  # nothing to scale: a zero-cost row (an injected table)
-            return
-        ratio, n, r = seconds / swept, self._n, self._ratio
-        n[i] += 1
-        self._n_all += 1
-        r[i] += max(weight, 1.0 / n[i]) * (ratio - r[i])
-        self._ratio_all += max(weight, 1.0 / self._n_all) * (ratio - self._ratio_all)
-        live, top, rest = [], 0.0, self._ratio_all  # live costs: swept x ratio, non-decreasing
-        for c, q, k in zip(self._sweep, r, n):
-            top = max(top, c * (q if k else rest))
+        delta = seconds - self._sweep[i]
+        off, seen = self._off, self._seen
+        if not seen[i]:
+            off[i], seen[i] = self._off_all, True
+        off[i] += weight * (delta - off[i])
+        self._off_all += weight * (delta - self._off_all)
+        live, top, rest = [], 0.0, self._off_all  # live costs: swept + offset, >= 0, non-decreasing
+        for c, o, s in zip(self._sweep, off, seen):
+            top = max(top, c + (o if s else rest), 0.0)
             live.append(top)
         self.verify_list = live
         self.verify_s[:] = live
@@ -92,8 +87,7 @@ class CostTable:
     def observe_draft(self, seconds: float, weight: float = 0.1) -> None:
         if self.draft_s > 0:
             seconds = min(max(seconds, self.draft_s / CLIP), self.draft_s * CLIP)
-        self._n_draft += 1
-        self.draft_s += max(weight, 1.0 / self._n_draft) * (seconds - self.draft_s)
+        self.draft_s += weight * (seconds - self.draft_s)
 
     def to_json(self) -> dict:
         return {"verify_s": [float(x) for x in self.sweep_verify_s], "draft_s": self.sweep_draft_s,

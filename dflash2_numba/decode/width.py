@@ -141,20 +141,6 @@ def proposal_confidence(prop) -> np.ndarray | None:
 # more than a target-only step after plain steps (the draft's tap rows, the rule), ~20 % more
 # right after a drafted step (docs/adaptive_width.md). Switching at break-even pays both.
 STAY = 0.1
-# A re-test (a drafted step inside a run of plain steps, decode/batch_width.py does the same)
-# may cost at most a share of the plain steps' seconds since the last drafted step: its price
-# is the draft's step, the rows it verifies beyond one and the context backlog it feeds the
-# draft first. The share grows from PROBE_SHARE, where drafting was last valued at half a plain
-# step or less (a re-test rarely finds it paying), to PROBE_SHARE_NEAR at break-even (where it
-# often does). On the embedded pair a fixed schedule (every 2, 4, 8, 16, 24 plain steps) cost
-# 10-18 % of a 128-token run, each re-test paying a backlog catch-up (docs/adaptive_width.md).
-PROBE_SHARE, PROBE_SHARE_NEAR = 0.015, 0.1
-
-
-def probe_share(closeness: float) -> float:
-    """The share of plain seconds a re-test may cost; closeness = drafting's value / a plain step's."""
-    t = min(max((closeness - 0.5) / 0.5, 0.0), 1.0)
-    return PROBE_SHARE + t * (PROBE_SHARE_NEAR - PROBE_SHARE)
 
 
 class AdaptiveWidth:
@@ -181,8 +167,6 @@ class AdaptiveWidth:
         self.mean_seen = False
         self.warm_left = warm_steps  # the first drafted steps always draft (statistics to start from)
         self.probe_every, self.probe_level, self.plain_run = probe_every, 0, 0
-        self.plain_s = 0.0  # estimated seconds of the plain steps since the last drafted step
-        self._pending = 0  # context rows the next drafted step would feed the draft first (catch_up_pays)
         self._buckets, self._probe = np.zeros(0, np.int64), False
         # realized tokens and seconds of recent drafted steps (exponential averages): what
         # drafting has actually paid under the current choice of k
@@ -221,7 +205,6 @@ class AdaptiveWidth:
         the `remaining` tokens of the budget could save more than that: remaining x (c(1) - the
         seconds per token of a step whose drafts are all accepted). Else stay with plain steps
         (and their backlog), warm-up and re-tests included. feed_s 0 (not measured): no veto."""
-        self._pending = pending
         cost = pending * self.costs.feed_s
         if cost <= self.costs.draft_s:  # a step's usual context (a few rows): part of a draft step
             return True
@@ -235,30 +218,19 @@ class AdaptiveWidth:
         if self.warm_left > 0:
             return True
         plain = 1.0 / max(self.costs.verify_list[0], 1e-12)  # E(0)
-        value = self.drafting_value(kmax)
-        if value > (plain * (1.0 - self.stay) if self.drafting else plain):  # E(k >= 1) vs E(0)
-            self.plain_run, self.probe_level, self._probe, self.plain_s = 0, 0, False, 0.0
+        if self.drafting_value(kmax) > (plain * (1.0 - self.stay) if self.drafting else plain):  # E(k >= 1) vs E(0)
+            self.plain_run, self.probe_level, self._probe = 0, 0, False
             self.drafting = True
             return True
         self.drafting = False
         self.plain_run += 1
-        self.plain_s += self.costs.verify_list[0]
-        # re-test now and then (estimates go stale) once the plain steps since the last one
-        # have earned its price (PROBE_SHARE), unless even drafts that are always accepted
+        # re-test now and then (estimates go stale), unless even drafts that are always accepted
         # could not pay for their rows
-        if self.plain_run > self.probe_every[self.probe_level] and \
-                self.plain_s * probe_share(value / plain) >= self.probe_cost(kmax) \
-                and self._best_value(np.ones(kmax + 1), kmax)[0] > 0:
-            self.plain_run, self._probe, self.plain_s = 0, True, 0.0
+        if self.plain_run > self.probe_every[self.probe_level] and self._best_value(np.ones(kmax + 1), kmax)[0] > 0:
+            self.plain_run, self._probe = 0, True
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
             return True
         return False
-
-    def probe_cost(self, kmax: int) -> float:
-        """Seconds a re-test costs over a plain step: the draft's step, the rows it verifies
-        beyond one (at least 2 drafts, `choose`) and the context backlog it feeds first."""
-        c = self.costs.verify_list
-        return self.costs.draft_s + c[min(2, kmax)] - c[0] + self._pending * self.costs.feed_s
 
     # -- after drafting
     def choose(self, prop, kmax: int) -> int:
