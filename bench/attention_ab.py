@@ -1,7 +1,7 @@
 """A/B of the attention kernel against another checkout, in ONE process, runs interleaved.
 
     python bench/attention_ab.py --other /path/to/other/checkout [--threads 1,2]
-        [--cases 8192x1,8192x8,2048x4,256x1] [--layers 12] [--rounds 12]
+        [--cases 8192x1,8192x8,2048x4,256x1] [--layers 12] [--rounds 12] [--shape 12,4,64]
 
 On a shared VM consecutive runs of the same code move 5-10 %, so two processes timed one after
 the other cannot show a 10 % change. Here the other checkout's package is copied under another
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--cases", default="8192x1,8192x8,2048x4,256x1", help="KEYSxROWS, comma-separated")
     ap.add_argument("--layers", type=int, default=12, help="layers of K/V cycled through (long caches)")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--shape", default="12,4,64", help="query heads, KV heads, head size")
     args = ap.parse_args()
 
     import numba
@@ -56,7 +57,7 @@ def main() -> None:
 
     check_kernel_cache()
     other = import_other(args.other.resolve())
-    nkv, nh, hd = 4, 12, 64
+    nh, nkv, hd = (int(x) for x in args.shape.split(","))
     rng = np.random.default_rng(0)
     print(f"path {selected()}; other / this time, median of {args.rounds} interleaved rounds (> 1: this tree is faster)")
     print("| threads | keys | rows | layers | this ms / layer | other ms / layer | other / this (range) | bits |")
