@@ -9,7 +9,9 @@ Checks, each a row of the summary table:
              bf16; --rows rows, a partial last block included). NaN compared by NaN-ness.
   attention  target verify block (causal over cache ++ block), draft block (context ++ block,
              non-causal), sliding window, bf16 probabilities: |gpu - cpu| <= 1e-5*max|cpu| + 1e-6
-             (bf16 probabilities: >= 90% of (query, head) rows within that, all within 1 bf16 ulp).
+             (bf16 probabilities: all within 1 bf16 ulp, and the fraction of (query, head) rows within
+             that tolerance at most 5 points under the same fraction for the GPU's arithmetic order
+             modelled in numpy: one weight's bf16 rounding flips with ulp-level score differences).
   linear     bf16 GEMV (M = a 16-row block) vs the CPU kernel, relative to sum|x||w|.
   gdn        Gated DeltaNet kernels at the Qwen3.8-27B shape (C = 10240 conv channels, K = 4;
              Hk 16 / Hv 48 heads of 128, a 16-row block, device-resident state): short conv f32 / bf16
@@ -142,12 +144,47 @@ def check_attention(cfg, rng, rows):
         err = np.abs(got - want)  # [nq, nh, hd]
         if bf16_probs:
             rows_ok = np.all(err <= tol, axis=-1).mean()
-            ok = rows_ok >= 0.9 and np.all(err <= 2e-2 * np.abs(want) + 2e-2)
-            detail = f"{rows_ok:.1%} rows within {tol:.1e}, max err {err.max():.2e}"
+            floor = np.all(np.abs(gpu_order_bf16_attention(q, k, v, q_pos, k_pos, causal) - want) <= tol, axis=-1).mean()
+            ok = rows_ok >= floor - 0.05 and np.all(err <= 2e-2 * np.abs(want) + 2e-2)
+            detail = (f"{rows_ok:.1%} rows within {tol:.1e} (the GPU's order modelled in numpy: {floor:.1%}), "
+                      f"max err {err.max():.2e}")
         else:
             ok, detail = bool(np.all(err <= tol)), f"max err {err.max():.2e} (tol {tol:.1e})"
         moved = q.nbytes + k.nbytes + v.nbytes + got.nbytes
         rows.append(("attention", f"{name} nq={nq} nh={nh} nkv={nkv} hd={hd} T={T}", ok, detail, moved / t / 1e9))
+
+
+def gpu_order_bf16_attention(q, k, v, q_pos, k_pos, causal):
+    """bf16-probability attention in the CUDA kernel's arithmetic order, in numpy: each score one
+    sequential f32 dot product over hd, f32 exp, weights rounded to bf16 against their 256-key tile's
+    max. It differs from the CPU kernel (16-lane scores, its own exp) only by rounding, and how often
+    one weight's bf16 rounding flips grows with the keys a row sees: at T = 2048 only ~89 % of rows
+    stay within the f32 tolerance, against ~100 % at T <= 256. That model fraction is the check's
+    floor for the GPU; rounding against the row's global max instead (the kernel before the fix)
+    left 0 % of rows within it."""
+    from dflash2_numba.kernels.attention import TILE
+    from dflash2_numba.numerics import round_bf16_array
+
+    nq, nh, hd = q.shape
+    g = nh // k.shape[0]
+    kh, vh = np.repeat(k, g, axis=0), np.repeat(v, g, axis=0)  # [nh, T, hd]
+    acc = np.zeros((nq, nh, len(k_pos)), np.float32)  # [nq, nh, T]
+    for j in range(hd):  # key by key in feature order, f32 after every step
+        acc = (acc + (q[:, :, j, None] * kh[None, :, :, j]).astype(np.float32)).astype(np.float32)
+    s = (acc * np.float32(1.0 / np.sqrt(np.float32(hd)))).astype(np.float32)
+    d = q_pos[:, None] - k_pos[None, :]  # [nq, T]
+    s = np.where(((d >= 0) | (not causal))[:, None, :], s, np.float32(-np.inf))
+    mx = s.max(-1, keepdims=True)  # [nq, nh, 1]
+    w, total = np.zeros_like(s), np.zeros(mx.shape, np.float32)
+    for t0 in range(0, s.shape[-1], TILE):
+        st = s[..., t0:t0 + TILE]
+        mb = st.max(-1, keepdims=True)
+        seen = np.isfinite(mb)
+        c = np.where(seen, np.exp(np.where(seen, mb - mx, 0).astype(np.float32)), 0).astype(np.float32)
+        e = np.exp((st - np.where(seen, mb, 0)).astype(np.float32)).astype(np.float32)  # 0 where unseen
+        w[..., t0:t0 + TILE] = (round_bf16_array(e) * c).astype(np.float32)
+        total += (e * c).astype(np.float32).sum(-1, keepdims=True, dtype=np.float32)
+    return (np.einsum("qht,htd->qhd", w, vh) / total).astype(np.float32)  # [nq, nh, hd]
 
 
 def check_linear(cfg, rng, rows):

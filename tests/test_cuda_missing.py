@@ -1,7 +1,12 @@
 """Without numba's CUDA target (the `cuda` extra not installed), `get_ops("cuda")` is the named
 DeviceUnavailableError, not a bare ImportError. The extra is hidden in a subprocess by
 bench/hide_extras (its sitecustomize makes the listed modules raise ModuleNotFoundError).
-Red on: the import of kernels/cuda_ops.py left unguarded."""
+Red on: the import of kernels/cuda_ops.py left unguarded.
+
+The same for a numba-cuda whose kernel compiler cannot load with the installed numpy (numba-cuda
+0.30.4 under numpy 2.5, which removed np.row_stack: seen on an H200); here np.row_stack is deleted
+in the subprocess. Red on: CudaOps without _check_kernel_compiler (then a GPU-less host says "no
+CUDA device" and a GPU host fails inside the first kernel launch)."""
 
 import os
 import subprocess
@@ -26,3 +31,12 @@ def test_get_ops_cuda_without_the_extra_is_a_named_refusal():
     r = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("refused: device 'cuda'") and "cuda` extra" in r.stdout, r.stdout
+
+
+def test_get_ops_cuda_with_a_numpy_numba_cuda_cannot_compile_for_is_a_named_refusal():
+    code = "import numpy\ndel numpy.row_stack\n" + CODE
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}  # the real target
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("refused: device 'cuda': numba-cuda ") and "cannot compile kernels with numpy" in r.stdout \
+        and "row_stack" in r.stdout, r.stdout

@@ -194,6 +194,8 @@ ATTENTION_CASES = {
     "draft_sliding_window": (5, 2, 2, 8, 13, np.arange(8, 13), np.arange(13), False, 3),
     "gapped_positions_causal_window": (3, 2, 1, 16, 6, np.array([3, 9, 10]),
                                        np.array([0, 2, 3, 8, 9, 10]), True, 2),
+    # keys in two of the CPU kernel's tiles (TILE = 256): bf16 weights round against their tile's max
+    "verify_over_two_tiles": (2, 2, 1, 8, 300, np.arange(298, 300), np.arange(300), True, 0),
 }
 
 

@@ -14,7 +14,9 @@ One thread block per (query i, head h), REDUCE_THREADS threads:
   1. scores s_t = (q . k_t) * hd^-0.5 for visible keys (-inf otherwise), threads striding over
      keys, written to a global scratch row [T]; block max by a shared-memory tree reduction;
   2. p_t = exp(s_t - max) (0 for invisible keys), block sum (shared-memory tree); in bf16_probs
-     mode p_t is rounded to bf16 for the V weighting while the sum stays unrounded (as the CPU);
+     mode, as the CPU kernel's tiles do, p_t = bf16(exp(s_t - m_b)) * exp(m_b - max) with m_b the
+     max over the key's TILE (keys b*TILE .. b*TILE+TILE-1) while the sum takes the unrounded
+     weights (rounding against the global max instead differs by ~1e-3 once T > TILE);
   3. threads striding over hd: out[j] = sum_t p_t v[t, j] * (1 / sum).
 Shared-memory reductions only (no warp shuffles: the simulator has none). Summation order
 differs from the CPU kernel, so results agree within a tolerance (f32: ~1e-6 relative), not
@@ -28,7 +30,7 @@ import numpy as np
 from numba import cuda, float32
 
 from ..numerics import round_bf16
-from .attention import _check, _check_first
+from .attention import TILE, _check, _check_first
 from .cuda_common import REDUCE_THREADS, grid_blocks, is_device_array, to_device
 
 MAX_HEAD_DIM = 256  # q row staged in shared memory: [MAX_HEAD_DIM] f32
@@ -96,15 +98,42 @@ def _make_attention_kernel(NT):
 
             # 2. probabilities (in place) and the block sum
             total = np.float32(0.0)
-            for t in range(tid, T, NT):
-                s = s_row[t]
-                p = np.float32(0.0)
-                if s != neg_inf:
-                    p = np.float32(math.exp(np.float32(s - mx)))
-                total = np.float32(total + p)
-                if bf16_probs:
-                    p = np.float32(round_bf16(p))
-                s_row[t] = p
+            if not bf16_probs:
+                for t in range(tid, T, NT):
+                    s = s_row[t]
+                    p = np.float32(0.0)
+                    if s != neg_inf:
+                        p = np.float32(math.exp(np.float32(s - mx)))
+                    total = np.float32(total + p)
+                    s_row[t] = p
+            else:  # as the CPU kernel: rounded relative to the key's TILE max mb, then times exp(mb - max)
+                for t0 in range(0, T, TILE):
+                    t1 = min(T, t0 + TILE)
+                    mb = neg_inf
+                    for t in range(t0 + tid, t1, NT):
+                        if s_row[t] > mb:
+                            mb = s_row[t]
+                    red[tid] = mb  # the tile's max: the same shared-memory tree
+                    cuda.syncthreads()
+                    width = NT // 2
+                    while width > 0:
+                        if tid < width and red[tid + width] > red[tid]:
+                            red[tid] = red[tid + width]
+                        cuda.syncthreads()
+                        width //= 2
+                    mb = red[0]
+                    cuda.syncthreads()
+                    c = np.float32(0.0)
+                    if mb != neg_inf:
+                        c = np.float32(math.exp(np.float32(mb - mx)))
+                    for t in range(t0 + tid, t1, NT):
+                        s = s_row[t]
+                        p = np.float32(0.0)
+                        if s != neg_inf:
+                            e = np.float32(math.exp(np.float32(s - mb)))
+                            total = np.float32(total + np.float32(e * c))  # the sum from unrounded weights
+                            p = np.float32(np.float32(round_bf16(e)) * c)
+                        s_row[t] = p
             red[tid] = total
             cuda.syncthreads()  # also publishes s_row (global memory) to the whole block
             width = NT // 2

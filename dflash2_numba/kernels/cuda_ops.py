@@ -30,6 +30,8 @@ NUMBA_ENABLE_CUDASIM=1 everything runs on numba's CUDA simulator (slow, for test
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 from numba import cuda
 
@@ -48,6 +50,27 @@ def cuda_available() -> bool:
         return bool(cuda.is_available())
     except Exception:  # broken driver / runtime wheel: same answer for the user
         return False
+
+
+def _check_kernel_compiler() -> None:
+    """Refuse by name when numba-cuda's kernel compiler cannot load with this numpy. Its target
+    registry is imported at the first kernel compile, not at `import numba.cuda`: numba-cuda
+    0.30.4 with numpy 2.5 (np.row_stack removed) passed is_available() and then failed inside the
+    first launch (seen on an H200, docs/gpu.md). The simulator has no compiler to check."""
+    if SIMULATOR:
+        return
+    try:
+        importlib.import_module("numba.cuda.cudaimpl")  # the registry the first compile loads
+    except Exception as e:
+        try:
+            from importlib.metadata import version
+            nc = version("numba-cuda")
+        except Exception:
+            nc = "(version unknown)"
+        raise DeviceUnavailableError(
+            f"device 'cuda': numba-cuda {nc} cannot compile kernels with numpy {np.__version__} "
+            f"({type(e).__name__}: {e}); install a numpy release this numba-cuda supports "
+            "(numba-cuda 0.30.4 needs numpy < 2.5), or use --device cpu") from e
 
 
 class DeviceBuffer:
@@ -90,6 +113,7 @@ class CudaOps:
     swiglu = staticmethod(rowwise.swiglu)
 
     def __init__(self):
+        _check_kernel_compiler()
         if not cuda_available():
             raise DeviceUnavailableError(
                 "device 'cuda': no CUDA device is available (numba.cuda.is_available() is False); "
