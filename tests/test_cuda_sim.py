@@ -254,6 +254,20 @@ def test_attention_verify_rows_equal_one_row_steps_bitwise():
     np.testing.assert_allclose(got, attention(q, k, v, q_pos, np.arange(T), False, 0, first=9), rtol=1e-5, atol=1e-6)
 
 
+def test_attention_bf16_weights_verify_rows_equal_one_row_steps_bitwise_over_two_tiles():
+    """bf16 probabilities round against each 256-key tile's max (as the CPU kernel); tiles are fixed
+    key rows, so a Q-row verify over 270 keys still gives the bits of Q one-row steps."""
+    rng = np.random.default_rng(10)
+    T, Q = 270, 3
+    q, k, v = _qkv(rng, Q, 2, 1, 8, T)
+    q_pos = np.arange(T - Q, T)
+    block = attention_cuda(q, k, v, q_pos, np.arange(T), True, 0, True, threads=8)
+    for r, p in enumerate(q_pos):
+        one = attention_cuda(q[r:r + 1], k[:, :p + 1], v[:, :p + 1], q_pos[r:r + 1], np.arange(p + 1), True, 0, True,
+                             threads=8)
+        assert np.array_equal(one[0], block[r]), r
+
+
 def test_attention_query_that_sees_nothing_is_zero():
     rng = np.random.default_rng(6)
     q, k, v = _qkv(rng, 2, 2, 1, 8, 4)
