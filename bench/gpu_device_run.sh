@@ -4,7 +4,8 @@
 #   2. bench/gpu_check.py at the published shapes (kernel parity with the CPU kernels, decode identity);
 #   3. the tests that run against a real device with the simulator off (PTX for sm_90, Muse on cuda);
 #   4. the README pair and the widened x8 pair (bench/scaled_pair.py) decoded on --device cuda
-#      against --device cpu: the same tokens, and the time of each.
+#      against --device cpu: the same tokens, and the time of each;
+#   5. bf16 run mode over a prompt longer than one attention tile (bench/gpu_bf16_decode.py).
 # Each step is bounded by `timeout`; every log lands in $OUT (or ./gpu_out) for the closing note.
 # Run from the repository root: `bash bench/gpu_device_run.sh`.
 set -u
@@ -69,4 +70,7 @@ for name, t, d in pairs:
     same = len({tuple(v) for v in outs.values()}) == 1
     print(f"{name}: every output identical: {same}")
 EOF
+
+step "bf16 run mode over a 374-token prompt, cuda vs cpu"
+timeout 150 $PY -W ignore bench/gpu_bf16_decode.py 2>&1 | tee "$OUT/bf16_decode.txt"
 step "done"
