@@ -113,7 +113,8 @@ def _make_attention_kernel(NT):
                     for t in range(t0 + tid, t1, NT):
                         if s_row[t] > mb:
                             mb = s_row[t]
-                    red[tid] = mb  # the tile's max: the same shared-memory tree
+                    # the tile's max: the tree above, inline (a device function makes compile_ptx need a driver)
+                    red[tid] = mb
                     cuda.syncthreads()
                     width = NT // 2
                     while width > 0:
