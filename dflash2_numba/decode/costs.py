@@ -78,8 +78,10 @@ class CostTable:
         off[i] += weight * (delta - off[i])
         self._off_all += weight * (delta - self._off_all)
         live, top, rest = [], 0.0, self._off_all  # live costs: swept + offset, >= 0, non-decreasing
-        for c, o, s in zip(self._sweep, off, seen):
-            top = max(top, c + (o if s else rest), 0.0)
+        for c, o, s in zip(self._sweep, off, seen):  # comparisons, not max(): this runs after every step
+            x = c + (o if s else rest)
+            if x > top:
+                top = x
             live.append(top)
         self.verify_list = live
         self.verify_s[:] = live

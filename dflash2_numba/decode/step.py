@@ -280,9 +280,8 @@ class Decoding:
         check_finite(logits, f"step {self.stats.steps + 1}: verify", start)
         a, x = verify_block(mask_padded(logits, self.vv), self._drafts, self._q, self.sampling, self.rng)
         self.cache.commit(start + a + 1)  # keep the anchor and the a accepted drafts (any layer kind)
-        if self.draft is not None and taps is not None:
-            acc = taps[:a + 1]  # [a+1, T*H], positions start..start+a
-            self.ctx_taps.append(acc)
+        if self.draft is not None and taps is not None:  # [a+1, T*H], positions start..start+a
+            self.ctx_taps.append(taps if a + 1 == taps.shape[0] else taps[:a + 1])
         t2 = time.perf_counter()
         self.stats.draft_s += self._t1 - self._t0
         self.stats.verify_s += t2 - self._t1

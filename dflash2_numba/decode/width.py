@@ -192,11 +192,14 @@ class AdaptiveWidth:
         recent drafted steps (tokens over measured seconds)."""
         c, D, S = self.costs.verify_list, self.costs.draft_s, self.mean_S.tolist()
         tokens, best = 1.0, 0.0
-        for k in range(1, kmax + 1):
+        for k in range(1, kmax + 1):  # comparisons, not max(): this runs before every plain step
             tokens += S[k]
-            best = max(best, tokens / max(D + c[k], 1e-12))
-        if self.real_s > 0:
-            best = max(best, self.real_tokens / self.real_s)
+            d = D + c[k]
+            v = tokens / (d if d > 1e-12 else 1e-12)
+            if v > best:
+                best = v
+        if self.real_s > 0 and self.real_tokens / self.real_s > best:
+            best = self.real_tokens / self.real_s
         return best
 
     def catch_up_pays(self, pending: int, remaining: int, kmax: int) -> bool:

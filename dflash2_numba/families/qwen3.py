@@ -38,7 +38,7 @@ from ..errors import ConfigValueError, GenerationArgumentError, UnknownArchitect
 from ..inventory import ExpectedTensors
 from ..kernels import fused
 from ..kernels.backend import Ops, get_ops
-from ..models.base import KVCache, LoadProgress, Span, forward_ids
+from ..models.base import KVCache, LoadProgress, Span, forward_ids, tap_columns
 from ..models.layers import RopeTables, embedding, mlp, rnd_if
 from ..numerics import DTYPE_MODES, KV_DTYPES, as_f32
 
@@ -337,11 +337,11 @@ class TargetModel:
 
         h = self.embed_input(ids)  # [n, H]
         taps = np.empty((n, len(tap_layers) * H), dtype=np.float32) if len(tap_layers) else None
+        at = tap_columns(tap_layers, H)  # {layer: its columns of taps}
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, cache, start, q_pos, k_pos, cos, sin)
-            for j, l in enumerate(tap_layers):
-                if l == i:  # residual stream AFTER layer i = HF hidden_states[i+1]
-                    taps[:, j * H : (j + 1) * H] = h
+            if i in at:  # residual stream AFTER layer i = HF hidden_states[i+1]
+                taps[:, at[i]] = h
         cache.length = start + n
         if last_only:
             h = h[-1:]

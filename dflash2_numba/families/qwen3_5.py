@@ -41,7 +41,7 @@ from ..config_checks import bos_token_id as _bos_token_id, check_float, get_bool
 from ..errors import ConfigError, GenerationArgumentError, UnknownArchitectureError, UnsupportedConfigError
 from ..inventory import ExpectedTensors
 from ..kernels.backend import Ops, get_ops
-from ..models.base import LoadProgress, forward_ids
+from ..models.base import LoadProgress, forward_ids, tap_columns
 from ..models.hybrid_cache import HybridCache
 from ..models.layers import RopeTables, embedding, mlp, rnd_if, silu
 from ..numerics import DTYPE_MODES, KV_DTYPES, as_f32, round_bf16_array
@@ -410,6 +410,7 @@ class Qwen3_5Model:
         cache.begin_block(n)
         h = self.embed(ids)  # [n, H]
         taps = np.empty((n, len(tap_layers) * H), dtype=np.float32) if len(tap_layers) else None
+        at = tap_columns(tap_layers, H)  # {layer: its columns of taps}
         for i, layer in enumerate(self.layers):
             x = zero_centred_rms_norm(self.ops, h, layer["ln1"], c.rms_norm_eps, self.bf16)  # [n, H]
             if layer["kind"] == "full_attention":
@@ -419,9 +420,8 @@ class Qwen3_5Model:
             h = rnd_if(h + mixed, self.bf16)  # [n, H]
             m = zero_centred_rms_norm(self.ops, h, layer["ln2"], c.rms_norm_eps, self.bf16)
             h = rnd_if(h + self._mlp(layer["mlp"], m), self.bf16)  # [n, H] (dense or MoE)
-            for j, l in enumerate(tap_layers):
-                if l == i:
-                    taps[:, j * H : (j + 1) * H] = h
+            if i in at:
+                taps[:, at[i]] = h
         cache.end_block()
         if last_only:
             h = h[-1:]

@@ -3,6 +3,8 @@ span of a request's rows in a batched forward, and the argument checks of `forwa
 
 from __future__ import annotations
 
+import functools
+
 import sys
 import time
 from dataclasses import dataclass
@@ -94,6 +96,18 @@ def forward_ids(ids, tap_layers: Sequence[int], num_layers: int, who: str) -> np
             raise GenerationArgumentError(f"tap layer {l} outside 0..{num_layers - 1}")
     return ids
 
+
+
+def tap_columns(tap_layers: Sequence[int], H: int) -> dict:
+    """{layer: the columns of its tap rows} for a forward's taps [n, len(tap_layers)*H]: looked up
+    once per layer, built once per (tap layers, H) (a plain decode step's Python is a few per cent
+    of a small target's step, docs/adaptive_width.md). Do not modify the returned dict."""
+    return _tap_columns(tuple(tap_layers), H)
+
+
+@functools.lru_cache(maxsize=64)
+def _tap_columns(tap_layers: tuple, H: int) -> dict:
+    return {int(l): slice(j * H, (j + 1) * H) for j, l in enumerate(tap_layers)}
 
 
 PROGRESS_MIN_BYTES = 1 << 30  # checkpoints from this size on report their load on stderr

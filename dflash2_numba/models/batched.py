@@ -27,7 +27,7 @@ from ..decode.step import run_draft
 from .draft import DFlashDraft
 from .layers import in_row_chunks
 from ..families.qwen3 import TargetModel
-from .base import Span, forward_ids
+from .base import Span, forward_ids, tap_columns
 
 
 def batches_target(target) -> bool:
@@ -68,11 +68,11 @@ def verify_batch(target, blocks: list[np.ndarray], caches: list, tap_layers=()) 
     h = target.embed_input(np.concatenate(blocks))  # [N, H]
     taps = np.empty((h.shape[0], len(tap_layers) * H), np.float32) if len(tap_layers) else None
     linear = lambda x, w: in_row_chunks(lambda rows: target.ops.linear(rows, w), x)  # noqa: E731
+    at = tap_columns(tap_layers, H)  # {layer: its columns of taps}
     for i, layer in enumerate(target.layers):
         h = target._layer_ops(i, layer, h, cos, sin, spans, linear)
-        for j, l in enumerate(tap_layers):
-            if l == i:  # residual stream AFTER layer i
-                taps[:, j * H:(j + 1) * H] = h
+        if i in at:  # residual stream AFTER layer i
+            taps[:, at[i]] = h
     for sp, n in zip(spans, sizes):
         sp.cache.length = sp.start + n
     logits = in_row_chunks(lambda rows: target.logits(target.final_norm(rows)), h)  # [N, V]
