@@ -340,8 +340,8 @@ class TargetModel:
         at = tap_columns(tap_layers, H)  # {layer: its columns of taps}
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, cache, start, q_pos, k_pos, cos, sin)
-            if i in at:  # residual stream AFTER layer i = HF hidden_states[i+1]
-                taps[:, at[i]] = h
+            for cols in at.get(i, ()):  # residual stream AFTER layer i = HF hidden_states[i+1]
+                taps[:, cols] = h
         cache.length = start + n
         if last_only:
             h = h[-1:]

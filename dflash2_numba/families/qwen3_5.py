@@ -420,8 +420,8 @@ class Qwen3_5Model:
             h = rnd_if(h + mixed, self.bf16)  # [n, H]
             m = zero_centred_rms_norm(self.ops, h, layer["ln2"], c.rms_norm_eps, self.bf16)
             h = rnd_if(h + self._mlp(layer["mlp"], m), self.bf16)  # [n, H] (dense or MoE)
-            if i in at:
-                taps[:, at[i]] = h
+            for cols in at.get(i, ()):
+                taps[:, cols] = h
         cache.end_block()
         if last_only:
             h = h[-1:]

@@ -99,15 +99,19 @@ def forward_ids(ids, tap_layers: Sequence[int], num_layers: int, who: str) -> np
 
 
 def tap_columns(tap_layers: Sequence[int], H: int) -> dict:
-    """{layer: the columns of its tap rows} for a forward's taps [n, len(tap_layers)*H]: looked up
-    once per layer, built once per (tap layers, H) (a plain decode step's Python is a few per cent
-    of a small target's step, docs/adaptive_width.md). Do not modify the returned dict."""
+    """{layer: the column slices of its tap rows} for a forward's taps [n, len(tap_layers)*H], a
+    layer listed twice getting both (scaled published drafts repeat tap layers). Looked up once
+    per layer and built once per (tap layers, H): a plain decode step's Python is a few per cent
+    of a small target's step (docs/adaptive_width.md). Do not modify the returned dict."""
     return _tap_columns(tuple(tap_layers), H)
 
 
 @functools.lru_cache(maxsize=64)
 def _tap_columns(tap_layers: tuple, H: int) -> dict:
-    return {int(l): slice(j * H, (j + 1) * H) for j, l in enumerate(tap_layers)}
+    at: dict = {}
+    for j, l in enumerate(tap_layers):
+        at.setdefault(int(l), []).append(slice(j * H, (j + 1) * H))
+    return {l: tuple(cols) for l, cols in at.items()}
 
 
 PROGRESS_MIN_BYTES = 1 << 30  # checkpoints from this size on report their load on stderr

@@ -71,8 +71,8 @@ def verify_batch(target, blocks: list[np.ndarray], caches: list, tap_layers=()) 
     at = tap_columns(tap_layers, H)  # {layer: its columns of taps}
     for i, layer in enumerate(target.layers):
         h = target._layer_ops(i, layer, h, cos, sin, spans, linear)
-        if i in at:  # residual stream AFTER layer i
-            taps[:, at[i]] = h
+        for cols in at.get(i, ()):  # residual stream AFTER layer i
+            taps[:, cols] = h
     for sp, n in zip(spans, sizes):
         sp.cache.length = sp.start + n
     logits = in_row_chunks(lambda rows: target.logits(target.final_norm(rows)), h)  # [N, V]
