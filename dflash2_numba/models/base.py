@@ -4,7 +4,6 @@ span of a request's rows in a batched forward, and the argument checks of `forwa
 from __future__ import annotations
 
 import functools
-
 import sys
 import time
 from dataclasses import dataclass
