@@ -1,5 +1,5 @@
 """What every target family's model shares (mlx-lm's `base.py`): the croppable KV cache, the
-span of a request's rows in a batched forward, and the argument checks of `forward`."""
+span of a request's rows in a batched forward, the argument checks of `forward` and its tap columns."""
 
 from __future__ import annotations
 
