@@ -40,3 +40,18 @@ def test_get_ops_cuda_with_a_numpy_numba_cuda_cannot_compile_for_is_a_named_refu
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("refused: device 'cuda': numba-cuda ") and "cannot compile kernels with numpy" in r.stdout \
         and "row_stack" in r.stdout, r.stdout
+
+
+def test_a_numba_cuda_without_that_module_is_not_refused_for_it():
+    """The probe imports numba.cuda.cudaimpl; a numba-cuda laid out otherwise (the module gone) is
+    not refused for that: here, without a GPU, the ordinary "no CUDA device" refusal follows."""
+    code = ("import importlib\nreal = importlib.import_module\n"
+            "def fake(name, *a, **k):\n"
+            "    if name == 'numba.cuda.cudaimpl':\n"
+            "        raise ModuleNotFoundError('gone', name=name)\n"
+            "    return real(name, *a, **k)\n"
+            "importlib.import_module = fake\n") + CODE
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("refused: device 'cuda': no CUDA device is available"), r.stdout

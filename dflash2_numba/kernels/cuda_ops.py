@@ -61,6 +61,10 @@ def _check_kernel_compiler() -> None:
         return
     try:
         importlib.import_module("numba.cuda.cudaimpl")  # the registry the first compile loads
+    except ModuleNotFoundError as e:
+        if e.name == "numba.cuda.cudaimpl":  # a numba-cuda laid out otherwise: nothing to probe here
+            return
+        raise DeviceUnavailableError(f"device 'cuda': numba-cuda's kernel compiler cannot load ({e})") from e
     except Exception as e:
         try:
             from importlib.metadata import version
