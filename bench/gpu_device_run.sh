@@ -5,7 +5,7 @@
 #   3. the tests that run against a real device with the simulator off (PTX for sm_90, Muse on cuda);
 #   4. the README pair and the widened x8 pair (bench/scaled_pair.py) decoded on --device cuda
 #      against --device cpu: the same tokens, and the time of each;
-#   5. bf16 run mode over a prompt longer than one attention tile (bench/gpu_bf16_decode.py).
+#   5. bf16 run mode over a prompt longer than one attention tile (both: bench/gpu_decode.py).
 # Each step is bounded by `timeout`; every log lands in $OUT (or ./gpu_out) for the closing note.
 # Run from the repository root: `bash bench/gpu_device_run.sh`.
 set -u
@@ -38,39 +38,10 @@ NUMBA_ENABLE_CUDASIM=0 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/te
     "tests/test_muse_spec.py::test_muse_decode_on_cuda_equals_cpu" 2>&1 | tee "$OUT/pytest_device.txt"
 
 step "decode: README pair and widened x8 pair, cuda vs cpu"
-timeout 150 $PY - <<'EOF' 2>&1 | tee "$OUT/decode.txt"
-import os, subprocess, sys, time
-import dflash2_numba as dn
-from dflash2_numba.default import default_pair
-pairs = [("README pair", *map(str, default_pair(notice=False)))]
-try:
-    t0 = time.perf_counter()
-    if not os.path.isdir("/tmp/x8/target"):
-        subprocess.run([sys.executable, "bench/scaled_pair.py", "8", "--out", "/tmp/x8"], check=True,
-                       stdout=subprocess.DEVNULL)
-    print(f"x8 pair written in {time.perf_counter() - t0:.0f}s")
-    pairs.append(("x8 pair", "/tmp/x8/target", "/tmp/x8/dflash2"))
-except Exception as e:
-    print("x8 pair not written:", e)
-prompt = "def fibonacci(n):"
-for name, t, d in pairs:
-    outs = {}
-    for device in os.environ.get("GPU_RUN_DEVICES", "cpu,cuda").split(","):
-        target = dn.load_target(t, device=device)
-        draft = dn.load_draft(d, target)
-        ids = target.tokenizer.encode(prompt)
-        for label, dr in (("target-only", None), ("speculative Q=8", draft)):
-            dn.generate(target, dr, prompt_ids=ids, max_new_tokens=8, block_size=8)  # warm-up (JIT)
-            t0 = time.perf_counter()
-            r = dn.generate(target, dr, prompt_ids=ids, max_new_tokens=64, block_size=8)
-            s = time.perf_counter() - t0
-            outs[(device, label)] = r.output_ids
-            print(f"{name:12s} {device:4s} {label:16s} {len(r.output_ids):4d} tokens ({r.finish_reason})"
-                  f" {len(r.output_ids) / s:7.1f} tok/s")
-    same = len({tuple(v) for v in outs.values()}) == 1
-    print(f"{name}: every output identical: {same}")
-EOF
+for pair in readme x8; do
+    timeout 120 $PY -W ignore bench/gpu_decode.py --pair $pair 2>&1 | tee -a "$OUT/decode.txt"
+done
 
 step "bf16 run mode over a 374-token prompt, cuda vs cpu"
-timeout 150 $PY -W ignore bench/gpu_bf16_decode.py 2>&1 | tee "$OUT/bf16_decode.txt"
+timeout 150 $PY -W ignore bench/gpu_decode.py --dtype bf16 --long-prompt --new-tokens 48 2>&1 | tee "$OUT/bf16_decode.txt"
 step "done"
