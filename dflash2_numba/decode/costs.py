@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 # ---------------------------------------------------------------- the cost table
-SWEEP_RECIPE = 4  # bump when measure_costs times something else (cached tables are then re-measured)
+SWEEP_RECIPE = 5  # bump when measure_costs times something else (cached tables are then re-measured)
 CLIP = 1.5  # an online sample counts as at most 1.5x (at least 1/1.5x) the current estimate
 
 
@@ -110,13 +110,14 @@ def interpolate(points: dict[int, float], B: int) -> np.ndarray:
 def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budget_s: float = 1.0,
                   rows: int | None = None) -> CostTable:
     """Time verify steps (the target forward and the acceptance on its logits, as the decode loop
-    times them) of each sweep row count 1..`rows` (default B; the server's batch
-    budget sweeps max_running x B rows: decode/batch_width.py) after a `context`-token prefix (the
-    minimum of up to `reps` rounds, interleaved so that load hits every count alike; rounds
-    after the first stop once `budget_s` is spent, so a big model's sweep stays short) and the
-    draft's B-row proposal, and per context row the draft's catch-up (the prefix fed to a fresh
-    draft state). One verify step of 1 and of B rows and one proposal run untimed first (kernels
-    already compiled by then, or compiled now)."""
+    times them) of each sweep row count 1..`rows` (default B; the server's batch budget sweeps
+    max_running x B rows: decode/batch_width.py) after a `context`-token prefix, each in the
+    order the loop runs it: one row in a run of one-row verifies, wider counts right after a
+    draft step (the draft's B-row proposal, itself timed after a verify: D). Per context row,
+    the draft's catch-up (the prefix fed to a fresh draft state: f). The minimum of up to `reps`
+    rounds, interleaved so that load hits every count alike; rounds after the first stop once
+    `budget_s` is spent, so a big model's sweep stays short. One verify step of 1 and of B rows
+    and one proposal run untimed first (kernels already compiled by then, or compiled now)."""
     from .drafter import valid_vocab
     from .sampling import SamplingParams, mask_padded, verify_block
     from .step import check_finite
@@ -140,43 +141,58 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
     def part(a, b):
         return None if taps is None else taps[a:b]
 
-    def draft_step() -> tuple[float, float]:
-        """(one draft step on a fresh state holding the prefix but its last n_new tokens, seconds
-        per row of feeding that prefix)."""
+    def draft_state():
+        """A fresh draft state holding the prefix but its last n_new tokens -> (state, seconds per
+        row of feeding that prefix: the catch-up price f)."""
         st = draft.new_state(context + B + 1)
         t0 = time.perf_counter()
         if context > n_new:
             draft.extend_context(st, part(0, context - n_new), 0, ids[:context - n_new])
-        feed = (time.perf_counter() - t0) / max(1, context - n_new)
+        return st, (time.perf_counter() - t0) / max(1, context - n_new)
+
+    def draft_step(st) -> float:
+        """One draft step on that state: the last n_new tokens' context update and the B-row proposal."""
         t0 = time.perf_counter()
         draft.extend_context(st, part(context - n_new, context), context - n_new, ids[context - n_new:context])
         draft.propose(st, int(ids[context]), context, B, greedy, rng)
-        return time.perf_counter() - t0, feed
+        return time.perf_counter() - t0
 
-    def verify_step(r: int) -> None:
+    def verify_step(r: int) -> float:
         """What the decode loop times as a verify of r rows (decode/step.py, t1 -> t2): the
         forward, then the acceptance on its logits (finite check, masking, greedy acceptance of
         r - 1 drafts) and the cache commit. The acceptance is a per-step cost the forward alone
-        misses (~20 us on the embedded pair, 10-15 % of its one-row step)."""
+        misses (~20 us on the embedded pair, 10-15 % of its one-row step). -> seconds."""
+        t0 = time.perf_counter()
         logits, _ = target.forward(ids[context:context + r], cache, tap_layers=taps_layers)  # [r, V]
         check_finite(logits, "cost sweep", context)
         verify_block(mask_padded(logits, vv), ids[context + 1:context + r], None, greedy, rng)
         cache.commit(context)  # (the sweep keeps the prefix only; a step commits start + a + 1)
+        return time.perf_counter() - t0
 
+    # Each count is timed in the order the decode loop runs it, because the two models evict
+    # each other's code and data: one-row verifies in a row (a run of plain steps), every wider
+    # verify right after a draft step, which itself follows a verify. On the embedded pair (Zen 5
+    # VM) the first one-row forward after a draft step took ~1.2x the fourth in a row, and the
+    # sweep's one-row time, taken once right after its draft step, read 1.3-1.7x the plain steps
+    # of a decode: `auto` then drafted where plain steps were faster (docs/adaptive_width.md).
     vv = valid_vocab(target)
     for r in (1, R):  # untimed
         verify_step(r)
-    draft_step()
+    draft_step(draft_state()[0])
     t_timed = time.perf_counter()
     for rep in range(1, reps + 1):
         if rep > 1 and time.perf_counter() - t_timed > budget_s:
             break
         for r in counts:
-            t0 = time.perf_counter()
-            verify_step(r)
-            best[r] = min(best[r], time.perf_counter() - t0)
-        d, f = draft_step()
-        d_best, f_best = min(d_best, d), min(f_best, f)
+            if r == 1:
+                verify_step(1)  # untimed: the step before
+                best[1] = min(best[1], verify_step(1), verify_step(1), verify_step(1))
+                continue
+            st, f = draft_state()
+            verify_step(1)  # untimed: the verify a draft step follows
+            d = draft_step(st)
+            best[r] = min(best[r], verify_step(r))
+            d_best, f_best = min(d_best, d), min(f_best, f)
     return CostTable(interpolate(best, R), d_best, "sweep", time.perf_counter() - t_start, feed_s=f_best)
 
 

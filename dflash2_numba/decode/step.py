@@ -240,7 +240,7 @@ class Decoding:
         self._t0 = time.perf_counter()
         if self.Bv < 2:
             return None
-        if self.width is not None and not (self._catch_up_pays() and self.width.draft_now(self.kmax)):
+        if self.width is not None and not self._draft_this_step():
             self.Bv = 1  # a plain target step
             return None
         self._drafted = True
@@ -250,6 +250,16 @@ class Decoding:
         self._ctx_n = self.start - self.ctx_start  # committed tokens this step feeds to the draft
         self.ctx_taps, self.ctx_start = [], self.start
         return DraftCall(self.dstate, context, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
+
+    def _draft_this_step(self) -> bool:
+        """The width rule's verdict: a run of plain steps it has already decided (`plain_left`)
+        is counted down here, without calling it."""
+        w = self.width
+        left = getattr(w, "plain_left", 0)
+        if left > 0:
+            w.plain_left = left - 1
+            return False
+        return self._catch_up_pays() and w.draft_now(self.kmax)
 
     def _catch_up_pays(self) -> bool:
         """The width rule's verdict on the draft's context backlog (rows start - ctx_start: the

@@ -141,6 +141,9 @@ def proposal_confidence(prop) -> np.ndarray | None:
 # more than a target-only step after plain steps (the draft's tap rows, the rule), ~20 % more
 # right after a drafted step (docs/adaptive_width.md). Switching at break-even pays both.
 STAY = 0.1
+PLAIN_BATCH = 8  # a plain run asks the rule (and refreshes c(1)) once per this many steps at most
+RETEST_SHARE = 0.05  # a re-test's expected loss may be this share of the plain run before it
+WARM_CEILING = 1.5  # the first steps draft (statistics to start from) where drafting could gain this much
 
 
 class AdaptiveWidth:
@@ -155,10 +158,11 @@ class AdaptiveWidth:
 
     def __init__(self, costs: CostTable, B: int, online: bool = True, warm_steps: int = 3,
                  probe_every: tuple[int, ...] = (2, 4, 8, 16, 24), mean_weight: float = 0.25,
-                 stay: float = STAY):
+                 stay: float = STAY, retest_share: float = RETEST_SHARE):
         if costs.B < B:
             raise ValueError(f"cost table for {costs.B} rows, block of {B}")
         self.costs, self.B, self.online = costs, int(B), online
+        self.retest_share = float(retest_share)
         self.stay = float(stay)  # hysteresis: a drafting run goes on while drafting >= (1 - stay) x plain
         self.drafting = True  # the regime of the last decision (the warm-up drafts)
         self.est = SurvivalEstimator(B)
@@ -172,6 +176,12 @@ class AdaptiveWidth:
         # drafting has actually paid under the current choice of k
         self.real_tokens = self.real_s = 0.0
         self.real_weight = 0.2
+        # a run of plain steps: `plain_left` more steps are plain without asking the rule (the
+        # caller counts them down, decode/step.py); their one-row times are refreshed into the
+        # table PLAIN_BATCH at a time; the first plain step after a drafted step (the models'
+        # caches swapped back: ~1.2-1.5x a plain step's time) is a price of drafting, not of c(1)
+        self.plain_left, self._after_draft = 0, False
+        self._plain_sum, self._plain_n = 0.0, 0
 
     # -- before drafting
     def _best_value(self, S: np.ndarray, kmax: int) -> tuple[int, float]:
@@ -217,9 +227,15 @@ class AdaptiveWidth:
         gain = self.costs.verify_s[0] - 1.0 / max(e_best, 1e-12)  # seconds saved per token, at best
         return cost < remaining * gain
 
+    def ceiling(self, kmax: int) -> float:
+        """What drafting could gain at most: the best E(k) with every draft accepted, over E(0)."""
+        return self._best_value(np.ones(kmax + 1), kmax)[1] * self.costs.verify_list[0]
+
     def draft_now(self, kmax: int) -> bool:
         if self.warm_left > 0:
-            return True
+            if self.ceiling(kmax) >= WARM_CEILING:
+                return True
+            self.warm_left = 0  # drafting could gain little even at full acceptance: no forced drafts
         plain = 1.0 / max(self.costs.verify_list[0], 1e-12)  # E(0)
         if self.drafting_value(kmax) > (plain * (1.0 - self.stay) if self.drafting else plain):  # E(k >= 1) vs E(0)
             self.plain_run, self.probe_level, self._probe = 0, 0, False
@@ -229,11 +245,34 @@ class AdaptiveWidth:
         self.plain_run += 1
         # re-test now and then (estimates go stale), unless even drafts that are always accepted
         # could not pay for their rows
-        if self.plain_run > self.probe_every[self.probe_level] and self._best_value(np.ones(kmax + 1), kmax)[0] > 0:
+        due = self._retest_due(kmax)
+        if self.plain_run >= due:
             self.plain_run, self._probe = 0, True
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
             return True
+        # the verdict holds until the re-test is due (the statistics do not move in a plain run;
+        # c(1) drifts slowly): the next steps are plain without this arithmetic, PLAIN_BATCH at most
+        ahead = int(min(PLAIN_BATCH - 1, due - self.plain_run - 1))  # (due: a float, or inf)
+        if ahead > 0:
+            self.plain_left = ahead
+            self.plain_run += ahead
         return False
+
+    def _retest_due(self, kmax: int) -> float:
+        """The length of a plain run at which a re-test drafts: after the schedule's next count of
+        plain steps, and once a share of the run's time pays for the re-test's expected loss (its
+        draft and 3-row verify against the tokens it commits at plain cost). The share is
+        RETEST_SHARE where drafting could gain WARM_CEILING x or more at full acceptance, less
+        below, down to nothing at 1x: never (inf) when even drafts always accepted cannot pay."""
+        top = self.ceiling(kmax)
+        if top <= 1.0:
+            return float("inf")
+        c, D, S = self.costs.verify_list, self.costs.draft_s, self.mean_S
+        k = min(2, kmax)
+        loss = D + c[k] - (1.0 + float(S[1:k + 1].sum())) * c[0]
+        share = self.retest_share * min(1.0, (top - 1.0) / (WARM_CEILING - 1.0))  # less where less is to gain
+        by_budget = loss / (share * c[0]) if loss > 0 else 0.0
+        return max(self.probe_every[self.probe_level] + 1, by_budget)
 
     # -- after drafting
     def choose(self, prop, kmax: int) -> int:
@@ -277,9 +316,12 @@ class AdaptiveWidth:
 
     # -- after verifying
     def observe(self, k: int, accepted: int, drafted: bool, draft_s: float, verify_s: float) -> None:
+        if not drafted and self.online:
+            self._observe_plain(verify_s)
+            return
         if drafted:
             self.est.observe(self._buckets, k, accepted)
-            self._probe = False
+            self._probe, self._after_draft = False, True
         if drafted and self.online:  # timings: not for a frozen table (a seeded run's draws)
             seconds = (self.costs.draft_s if draft_s is None else draft_s) + verify_s
             w = self.real_weight if self.real_s > 0 else 1.0
@@ -290,3 +332,19 @@ class AdaptiveWidth:
             if drafted and draft_s is not None:  # None: a catch-up step (the prompt's context), not typical
                 self.costs.observe_draft(draft_s)
 
+    def _observe_plain(self, verify_s: float) -> None:
+        """A plain step's one-row time. The first after a drafted step goes to drafting's realized
+        seconds (its extra over c(1)); the others reach c(1) as the mean of up to PLAIN_BATCH
+        steps, at the weight that many observations would have had."""
+        if self._after_draft:
+            self._after_draft = False
+            extra = verify_s - self.costs.verify_list[0]
+            if extra > 0 and self.real_s > 0:
+                self.real_s += self.real_weight * extra
+            return
+        self._plain_sum += verify_s
+        self._plain_n += 1
+        if self._plain_n >= PLAIN_BATCH or self.plain_left == 0:
+            n = self._plain_n
+            self.costs.observe_verify(1, self._plain_sum / n, weight=1.0 - 0.9 ** n)
+            self._plain_sum, self._plain_n = 0.0, 0
