@@ -223,8 +223,8 @@ class AdaptiveWidth:
             return True
         if kmax < 1:
             return False
-        _, e_best = self._best_value(np.ones(kmax + 1), kmax)  # tokens per second, every draft accepted
-        gain = self.costs.verify_s[0] - 1.0 / max(e_best, 1e-12)  # seconds saved per token, at best
+        c1, top = self.costs.verify_list[0], self.ceiling(kmax)
+        gain = c1 - c1 / top if top > 0 else 0.0  # seconds saved per token, at best (every draft accepted)
         return cost < remaining * gain
 
     def ceiling(self, kmax: int) -> float:
