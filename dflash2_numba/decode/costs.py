@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 # ---------------------------------------------------------------- the cost table
-SWEEP_RECIPE = 5  # bump when measure_costs times something else (cached tables are then re-measured)
+SWEEP_RECIPE = 7  # bump when measure_costs times something else (cached tables are then re-measured)
+PLAIN_RUN = 8  # one-row verifies in a row per sweep round (c(1): the last half's, the target's caches refilled)
 CLIP = 1.5  # an online sample counts as at most 1.5x (at least 1/1.5x) the current estimate
 
 
@@ -27,10 +28,18 @@ class CostTable:
     """verify_s[r-1] = seconds of a target verify of r rows (r = 1..B), draft_s = seconds of
     one draft step (context update of the last step's tokens + the B-row proposal). `sweep_*`
     keep the measured values; `verify_s` / `draft_s` are refreshed online from real step times
-    (`observe_*`): per row count an exponential average of (measured - swept), and for counts
-    not seen yet the same average over all counts (the per-step overhead the sweep does not
-    time: sampling, acceptance, bookkeeping). Samples are clipped to CLIP x the estimate, so one
-    step slowed by a burst of load moves it by a few per cent only."""
+    (`observe_*`): per row count an exponential average of (measured - swept), and for wider
+    counts not seen yet the same average over the wider counts seen (what a verify right after
+    a draft step costs beyond the sweep's). A one-row verify (a plain step) learns only from
+    its own samples: it runs in a plain run, not after a draft step, and a drafted verify's
+    extra, lent to c(1), made plain steps look dearer than they were and `auto` draft where
+    they were faster (docs/adaptive_width.md). Until a wider count or a draft step has been
+    timed, they follow c(1) in proportion (the host faster or slower than at the sweep: plain
+    steps alone must not make drafting look cheaper). Samples are clipped to CLIP x the
+    estimate, so one step slowed by a burst of load moves it by a few per cent only; each count's
+    first samples are averaged with the sweep's value as one sample among them (weight 1/2,
+    1/3, ... down to the exponential weight), so the table reaches the decode's costs within a few
+    steps."""
     verify_s: np.ndarray  # [B] f64
     draft_s: float
     source: str = "sweep"  # "sweep" | "cache" | "injected"
@@ -53,7 +62,10 @@ class CostTable:
         self._sweep = self.sweep_verify_s.tolist()
         self._off = [0.0] * len(v)  # per row count: average (measured - swept)
         self._seen = [False] * len(v)
-        self._off_all = 0.0  # the same over every observation
+        self._off_all = 0.0  # the same over every observation of a wider count (rows >= 2)
+        self._draft_seen = False  # draft_s refreshed from a draft step (else it follows c(1))
+        self._n = [0] * len(v)  # observations per row count, and of draft steps: the first few
+        self._n_draft = 0  # are averaged plainly (the sweep's values can be 10-30 % off a decode's)
         self.verify_list = v.tolist()  # verify_s as Python floats, for the width rule's per-step arithmetic
 
     @property
@@ -68,32 +80,56 @@ class CostTable:
 
     def observe_verify(self, rows: int, seconds: float, weight: float = 0.1) -> None:
         i = rows - 1
+        self._n[i] += 1
+        weight = max(weight, 1.0 / (1 + self._n[i]))  # the sweep counts as one sample
         cur = self.verify_list[i]
         if cur > 0:
             seconds = min(max(seconds, cur / CLIP), cur * CLIP)
         delta = seconds - self._sweep[i]
         off, seen = self._off, self._seen
         if not seen[i]:
-            off[i], seen[i] = self._off_all, True
+            off[i], seen[i] = (self._off_all if i else 0.0), True
         off[i] += weight * (delta - off[i])
-        self._off_all += weight * (delta - self._off_all)
+        if i:
+            self._off_all += weight * (delta - self._off_all)
+        sw0 = self._sweep[0]
+        drift = (sw0 + off[0]) / sw0 if seen[0] and sw0 > 0 else 1.0  # c(1) now / at the sweep
+        wide = any(seen[1:])
         live, top, rest = [], 0.0, self._off_all  # live costs: swept + offset, >= 0, non-decreasing
-        for c, o, s in zip(self._sweep, off, seen):  # comparisons, not max(): this runs after every step
-            x = c + (o if s else rest)
+        for j, (c, o, s) in enumerate(zip(self._sweep, off, seen)):  # comparisons, not max(): per step
+            x = c + o if s else c if not j else c + rest if wide else c * drift
             if x > top:
                 top = x
             live.append(top)
         self.verify_list = live
         self.verify_s[:] = live
+        if not self._draft_seen:
+            self.draft_s = self.sweep_draft_s * drift
 
     def observe_draft(self, seconds: float, weight: float = 0.1) -> None:
+        self._draft_seen = True
+        self._n_draft += 1
+        weight = max(weight, 1.0 / (1 + self._n_draft))  # the sweep counts as one sample
         if self.draft_s > 0:
             seconds = min(max(seconds, self.draft_s / CLIP), self.draft_s * CLIP)
         self.draft_s += weight * (seconds - self.draft_s)
 
-    def to_json(self) -> dict:
-        return {"verify_s": [float(x) for x in self.sweep_verify_s], "draft_s": self.sweep_draft_s,
-                "feed_s": self.feed_s}
+    def to_json(self, live: bool = False) -> dict:
+        """The swept values, or with `live` the refreshed ones (what a decode measured)."""
+        v, d = (self.verify_s, self.draft_s) if live else (self.sweep_verify_s, self.sweep_draft_s)
+        return {"verify_s": [float(x) for x in v], "draft_s": float(d), "feed_s": self.feed_s}
+
+    def save(self) -> bool:
+        """Write the refreshed costs back to the disk cache this table came from (costs_for),
+        once a decode has timed a plain step and a drafted one: the next process starts from
+        what decodes measured here, not from the sweep again. A one-shot command (the README's)
+        otherwise paid its first re-test and drafting stretch every run before the table
+        learned that drafting did not pay on that host (docs/adaptive_width.md). -> written."""
+        where = getattr(self, "_cache", None)
+        if where is None or not (self._seen[0] and self._draft_seen):
+            return False
+        _write_cached(where[0], where[1], self, live=True)
+        return True
 
 
 def sweep_rows(B: int) -> list[int]:
@@ -107,17 +143,19 @@ def interpolate(points: dict[int, float], B: int) -> np.ndarray:
     return np.interp(np.arange(1, B + 1), rows, [points[r] for r in rows])
 
 
-def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budget_s: float = 1.0,
+def measure_costs(target, draft, B: int, context: int = 32, reps: int = 8, budget_s: float = 1.0,
                   rows: int | None = None) -> CostTable:
     """Time verify steps (the target forward and the acceptance on its logits, as the decode loop
     times them) of each sweep row count 1..`rows` (default B; the server's batch budget sweeps
-    max_running x B rows: decode/batch_width.py) after a `context`-token prefix, each in the
-    order the loop runs it: one row in a run of one-row verifies, wider counts right after a
-    draft step (the draft's B-row proposal, itself timed after a verify: D). Per context row,
-    the draft's catch-up (the prefix fed to a fresh draft state: f). The minimum of up to `reps`
-    rounds, interleaved so that load hits every count alike; rounds after the first stop once
-    `budget_s` is spent, so a big model's sweep stays short. One verify step of 1 and of B rows
-    and one proposal run untimed first (kernels already compiled by then, or compiled now)."""
+    max_running x B rows: decode/batch_width.py) and draft steps (the pending rows' context
+    update + the B-row proposal: D) in a short decode after a `context`-token prefix: one cache
+    and one draft state that grow as a decode's do, each count in the order the loop runs it
+    (one row in a run of one-row verifies, wider counts right after a draft step, each draft
+    step right after a wider verify). Per context row, the draft's catch-up (the prefix fed to a
+    fresh draft state: f). The median over up to `reps` rounds, interleaved so that load hits
+    every count alike; rounds after the first stop once `budget_s` is spent, so a big model's
+    sweep stays short. One draft step and one B-row verify run untimed first (kernels already
+    compiled by then, or compiled now)."""
     from .drafter import valid_vocab
     from .sampling import SamplingParams, mask_padded, verify_block
     from .step import check_finite
@@ -127,73 +165,90 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 3, budge
     vocab = max(2, min(int(getattr(target, "valid_vocab", None) or target.config.vocab_size),
                        target.config.vocab_size))
     limit = getattr(target.config, "max_position_embeddings", None) or 1 << 30
-    context = max(1, min(context, limit - R - 1))
-    ids = (np.arange(1, context + R + 1) % vocab).astype(np.int64)
-    taps_layers = tuple(draft.target_layer_ids)
-    cache = target.new_cache(context + R + 1)
-    _, taps = target.forward(ids[:context], cache, tap_layers=taps_layers)  # the prefix
     counts = sweep_rows(R)
-    best = {r: np.inf for r in counts}
-    d_best = f_best = np.inf
+    n_new = 2  # a drafted step's commit: its accepted tokens + the bonus (about 2)
+    per_round = PLAIN_RUN + 1 + n_new * len(counts)  # positions one round commits (below)
+    context = max(n_new + 1, min(context, limit - R - 1 - (2 + n_new) - per_round))
+    reps = max(1, min(reps, (limit - context - R - 1 - (2 + n_new)) // per_round))
+    room = context + (2 + n_new) + reps * per_round + R + 1  # the prefix, the untimed steps, every round
+    ids = (np.arange(1, room + 1) % vocab).astype(np.int64)
+    taps_layers = tuple(draft.target_layer_ids)
+    cache = target.new_cache(room)
+    _, taps = target.forward(ids[:context], cache, tap_layers=taps_layers)  # the prefix
+    times = {r: [] for r in counts}  # seconds per count, every round's
+    d_times, f_best = [], np.inf
     greedy, rng = SamplingParams(), np.random.default_rng(0)
-    n_new = min(2, context)  # a step's context update: its accepted tokens + the bonus (about 2)
+    vv = valid_vocab(target)
 
-    def part(a, b):
-        return None if taps is None else taps[a:b]
+    def part(t, a, b):
+        return None if t is None else t[a:b]
 
-    def draft_state():
-        """A fresh draft state holding the prefix but its last n_new tokens -> (state, seconds per
-        row of feeding that prefix: the catch-up price f)."""
-        st = draft.new_state(context + B + 1)
+    for _ in range(2):  # f: a fresh draft state fed the prefix but its last n_new rows (the catch-up price)
+        st = draft.new_state(room)
         t0 = time.perf_counter()
-        if context > n_new:
-            draft.extend_context(st, part(0, context - n_new), 0, ids[:context - n_new])
-        return st, (time.perf_counter() - t0) / max(1, context - n_new)
+        draft.extend_context(st, part(taps, 0, context - n_new), 0, ids[:context - n_new])
+        f_best = min(f_best, (time.perf_counter() - t0) / (context - n_new))
+    # the decode in progress: the anchor at `pos` (= cache.length); the committed rows the draft
+    # has not seen yet start at pending[1] (their taps: pending[0], pieces joined at the next step)
+    pos, pending = context, ([part(taps, context - n_new, context)], context - n_new)
 
-    def draft_step(st) -> float:
-        """One draft step on that state: the last n_new tokens' context update and the B-row proposal."""
+    def draft_step() -> float:
+        """One draft step as the loop runs it: the pending rows' context update, the B-row proposal."""
+        nonlocal pending
+        pieces, start = pending
+        joined = None if pieces[0] is None else pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         t0 = time.perf_counter()
-        draft.extend_context(st, part(context - n_new, context), context - n_new, ids[context - n_new:context])
-        draft.propose(st, int(ids[context]), context, B, greedy, rng)
-        return time.perf_counter() - t0
+        draft.extend_context(st, joined, start, ids[start:pos])
+        draft.propose(st, int(ids[pos]), pos, B, greedy, rng)
+        seconds = time.perf_counter() - t0
+        pending = ([], pos)
+        return seconds
 
-    def verify_step(r: int) -> float:
+    def verify_step(r: int, keep: int) -> float:
         """What the decode loop times as a verify of r rows (decode/step.py, t1 -> t2): the
         forward, then the acceptance on its logits (finite check, masking, greedy acceptance of
-        r - 1 drafts) and the cache commit. The acceptance is a per-step cost the forward alone
-        misses (~20 us on the embedded pair, 10-15 % of its one-row step). -> seconds."""
+        r - 1 drafts) and the cache commit of `keep` rows (the anchor and keep - 1 drafts). The
+        acceptance is a per-step cost the forward alone misses (~20 us on the embedded pair,
+        10-15 % of its one-row step). -> seconds."""
+        nonlocal pos
         t0 = time.perf_counter()
-        logits, _ = target.forward(ids[context:context + r], cache, tap_layers=taps_layers)  # [r, V]
-        check_finite(logits, "cost sweep", context)
-        verify_block(mask_padded(logits, vv), ids[context + 1:context + r], None, greedy, rng)
-        cache.commit(context)  # (the sweep keeps the prefix only; a step commits start + a + 1)
-        return time.perf_counter() - t0
+        logits, tp = target.forward(ids[pos:pos + r], cache, tap_layers=taps_layers)  # [r, V]
+        check_finite(logits, "cost sweep", pos)
+        verify_block(mask_padded(logits, vv), ids[pos + 1:pos + r], None, greedy, rng)
+        cache.commit(pos + keep)
+        seconds = time.perf_counter() - t0
+        pending[0].append(part(tp, 0, keep))
+        pos += keep
+        return seconds
 
-    # Each count is timed in the order the decode loop runs it, because the two models evict
-    # each other's code and data: one-row verifies in a row (a run of plain steps), every wider
-    # verify right after a draft step, which itself follows a verify. On the embedded pair (Zen 5
-    # VM) the first one-row forward after a draft step took ~1.2x the fourth in a row, and the
-    # sweep's one-row time, taken once right after its draft step, read 1.3-1.7x the plain steps
-    # of a decode: `auto` then drafted where plain steps were faster (docs/adaptive_width.md).
-    vv = valid_vocab(target)
-    for r in (1, R):  # untimed
-        verify_step(r)
-    draft_step(draft_state()[0])
+    # Each count is timed as a decode runs it, on one growing cache and one draft state, because
+    # the two models evict each other's code and data: c(1) in a run of one-row verifies (a
+    # plain run), every wider count right after a draft step, and D right after a wider verify
+    # (a drafting run). On the embedded pair (Zen 5 VM) the first one-row forward after a draft
+    # step took ~1.2x the fourth in a row: c(1) timed right after a draft step (recipe <= 4) read
+    # 1.3-1.7x the plain steps of a decode, and `auto` drafted where plain steps were faster. D
+    # timed on a fresh draft state just fed its prefix (recipe <= 6) read 15-30 % under the
+    # draft steps of a fixed-width decode (docs/adaptive_width.md).
+    draft_step()  # untimed: kernels already compiled by now (or compiled here)
+    verify_step(R, n_new)
     t_timed = time.perf_counter()
     for rep in range(1, reps + 1):
         if rep > 1 and time.perf_counter() - t_timed > budget_s:
             break
         for r in counts:
-            if r == 1:
-                verify_step(1)  # untimed: the step before
-                best[1] = min(best[1], verify_step(1), verify_step(1), verify_step(1))
+            if r == 1:  # a plain run: its first steps, the target's caches filling again, are not c(1)'s
+                runs = [verify_step(1, 1) for _ in range(PLAIN_RUN)]
+                times[1] += runs[PLAIN_RUN // 2:]
+                draft_step()  # untimed: resuming (the plain run's backlog) after the plain run
+                verify_step(R, 1)  # untimed: the verify a drafting run's draft step follows
                 continue
-            st, f = draft_state()
-            verify_step(1)  # untimed: the verify a draft step follows
-            d = draft_step(st)
-            best[r] = min(best[r], verify_step(r))
-            d_best, f_best = min(d_best, d), min(f_best, f)
-    return CostTable(interpolate(best, R), d_best, "sweep", time.perf_counter() - t_start, feed_s=f_best)
+            d_times.append(draft_step())
+            times[r].append(verify_step(r, n_new))
+    # the median of each count's samples: robust to a burst of load, and alike for counts
+    # timed more or less often (the minimum of D's many samples read under a decode's typical D)
+    med = {r: float(np.median(v)) for r, v in times.items()}
+    return CostTable(interpolate(med, R), float(np.median(d_times)), "sweep", time.perf_counter() - t_start,
+                     feed_s=f_best)
 
 
 def _identity(target, draft, B: int, threads: int, rows: int) -> dict | None:
@@ -256,11 +311,11 @@ def _read_cached(path: Path, ident: dict, rows: int) -> CostTable | None:
         return None  # absent, truncated or from another layout: measure again
 
 
-def _write_cached(path: Path, ident: dict, table: CostTable) -> None:
+def _write_cached(path: Path, ident: dict, table: CostTable, live: bool = False) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"identity": ident, **table.to_json()}, indent=1))
+        tmp.write_text(json.dumps({"identity": ident, **table.to_json(live)}, indent=1))
         tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
     except OSError:
         pass  # a read-only cache: measured again next time
@@ -270,7 +325,8 @@ def costs_for(target, draft, B: int, rows: int | None = None) -> CostTable:
     """The pair's cost table for B-row blocks (verify counts 1..`rows`, default B) at the
     current thread count: this process's copy
     (kept on the draft, refreshed online by every auto run), else the disk cache, else a sweep
-    (then written to the cache)."""
+    (then written to the cache). A one-request decode writes its refreshed table back
+    (`CostTable.save`, decode/loop.py)."""
     import numba
 
     threads = numba.get_num_threads()
@@ -291,5 +347,7 @@ def costs_for(target, draft, B: int, rows: int | None = None) -> CostTable:
         table = measure_costs(target, draft, B, rows=rows)
         if ident is not None:
             _write_cached(_cache_file(ident), ident, table)
+    if ident is not None:
+        table._cache = (_cache_file(ident), ident)  # where `save` writes the refreshed costs
     memo[key] = table
     return table

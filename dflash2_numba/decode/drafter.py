@@ -83,6 +83,7 @@ class Drafter(Protocol):
 
     def extend_context(self, state, taps: np.ndarray | None, start_pos: int,
                        token_ids: np.ndarray) -> None: ...
+    # (taps may be a view of the caller's buffer, rewritten after the call: read it, keep no reference)
 
     def propose(self, state, anchor_id: int, anchor_pos: int, n_rows: int,
                 sampling: SamplingParams, rng: np.random.Generator) -> Proposal: ...

@@ -181,6 +181,8 @@ def _run(target, draft, prompt_ids: list[int], max_new: int, Q: int, sampling: S
         block = dec.verify_ids(run_draft(draft, call))  # [Bv]
         logits, taps = target.forward(block, dec.cache, tap_layers=dec.tap_layers)  # [Bv, V], [Bv, T*H]
         yield dec.accept(logits, taps)
+    if getattr(width, "online", False) and hasattr(width.costs, "save"):
+        width.costs.save()  # what this decode measured: the next process starts from it
 
 
 def generate(target, draft, prompt: str | None = None, *, chat: bool = False,

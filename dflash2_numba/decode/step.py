@@ -151,9 +151,11 @@ class Decoding:
         self.cache = None  # target cache, made at the first prefill chunk
         self.prefilled = 0  # prompt tokens in the target cache
         self.dstate = None  # draft context state
-        # committed tokens not yet in the draft context: their tap rows ([n, T*H] pieces, joined
-        # once when the draft next runs: plain steps in between append without copying) and start
+        # committed tokens not yet in the draft context, from ctx_start on: the prefill's tap rows
+        # ([n, T*H] pieces) and then the decode steps' rows, copied into one buffer that every
+        # step reuses (`_keep_rows`); joined once when the draft next runs
         self.ctx_taps, self.ctx_start = [], 0
+        self._rows, self._rows_n = None, 0  # [capacity, T*H] f32, rows held
         self.start = self.n  # anchor position
         self.Bv = 0  # rows verified by the step in progress
         self.kmax = 0  # drafts the step in progress could verify (block and budget)
@@ -230,7 +232,7 @@ class Decoding:
         the context update and the proposal (the draft always runs the runtime Q rows: its
         block is non-causal, so its length changes every row; the budget only trims the verify).
         With a width rule, the rule may decide on a plain target step (Bv = 1, no draft): the
-        committed tokens' taps then wait in ctx_taps and reach the draft context at the next
+        committed tokens' taps then wait (ctx_taps, the row buffer) and reach the draft context at the next
         drafted step, so speculation resumes on a complete context."""
         assert self.cache.length == self.start and len(self.ids) == self.start + 1, (
             self.cache.length, self.start, len(self.ids))
@@ -244,11 +246,11 @@ class Decoding:
             self.Bv = 1  # a plain target step
             return None
         self._drafted = True
-        parts = self.ctx_taps
-        taps = None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)  # [n, T*H]
+        parts = self.ctx_taps + ([self._rows[:self._rows_n]] if self._rows_n else [])  # (a view: read by
+        taps = None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)  # the draft now) [n, T*H]
         context = (taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
         self._ctx_n = self.start - self.ctx_start  # committed tokens this step feeds to the draft
-        self.ctx_taps, self.ctx_start = [], self.start
+        self.ctx_taps, self._rows_n, self.ctx_start = [], 0, self.start
         return DraftCall(self.dstate, context, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
 
     def _draft_this_step(self) -> bool:
@@ -291,7 +293,7 @@ class Decoding:
         a, x = verify_block(mask_padded(logits, self.vv), self._drafts, self._q, self.sampling, self.rng)
         self.cache.commit(start + a + 1)  # keep the anchor and the a accepted drafts (any layer kind)
         if self.draft is not None and taps is not None:  # [a+1, T*H], positions start..start+a
-            self.ctx_taps.append(taps if a + 1 == taps.shape[0] else taps[:a + 1])
+            self._keep_rows(taps, a + 1)
         t2 = time.perf_counter()
         self.stats.draft_s += self._t1 - self._t0
         self.stats.verify_s += t2 - self._t1
@@ -302,12 +304,37 @@ class Decoding:
             self.stats.catch_up_steps += 1
             self.stats.catch_up_draft_s += self._t1 - self._t0
         if self.width is not None:  # (the rules read draft_s on drafted steps only)
-            self.width.observe(self.Bv - 1, a, self._drafted, None if catch_up else self._t1 - self._t0, t2 - self._t1)
+            self.width.observe(self.Bv - 1, a, self._drafted, self._typical_draft_s(catch_up), t2 - self._t1)
         step = self._commit([int(d) for d in self._drafts[:a]] + [x], a)
         self._score(step, logits)  # row j: the distribution of the j-th committed token
         self.stats.decode_s += time.perf_counter() - self._t0
         self.start += a + 1
         return step
+
+    def _keep_rows(self, taps: np.ndarray, n: int) -> None:
+        """Copy a step's first n tap rows into the reused buffer (doubling it when full). Kept
+        as the forward's own arrays instead, a plain run's rows piled up in fresh memory, and
+        each step faulted a page in: ~2 % of a plain step on the embedded pair."""
+        held, buf = self._rows_n, self._rows
+        if buf is None or held + n > buf.shape[0]:
+            grown = np.empty((max(64, 2 * (held + n)), taps.shape[1]), np.float32)  # [capacity, T*H]
+            if held:
+                grown[:held] = buf[:held]
+            self._rows = buf = grown
+        buf[held:held + n] = taps[:n]
+        self._rows_n = held + n
+
+    def _typical_draft_s(self, catch_up: bool) -> float | None:
+        """The draft seconds of this step as a typical drafted step's: a catch-up step's feed of
+        the rows past one block (the prompt, or a plain run's tokens: the price of the plain run)
+        taken out at the table's per-row price. Its propose after a plain run, slower while the
+        draft's weights come back into the caches, stays in: that is what resuming costs. None
+        where the price per row is unknown."""
+        seconds = self._t1 - self._t0
+        if not catch_up:
+            return seconds
+        feed = getattr(getattr(self.width, "costs", None), "feed_s", 0.0)
+        return max(0.0, seconds - (self._ctx_n - self.Q) * feed) if feed > 0 else None
 
     # ---------------------------------------------------------------- committing
     def _commit(self, new: list[int], accepted: int) -> StepResult:

@@ -77,6 +77,36 @@ def _meanwhile(draft, n: int, kw: dict) -> None:
                      np.zeros((taps, size), np.float32), size, 1)
 
 
+TOUCH_MAX_BYTES = 256 << 20  # caches up to this size are written through once by the warm-up
+
+
+def _arrays(obj, depth: int = 3):
+    """The numpy arrays a cache or draft state holds (its attributes, lists, nested objects)."""
+    for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
+        if isinstance(value, np.ndarray):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, np.ndarray):
+                    yield item
+                elif depth > 0 and hasattr(item, "__dict__"):
+                    yield from _arrays(item, depth - 1)
+        elif depth > 0 and hasattr(value, "__dict__") and not callable(value):
+            yield from _arrays(value, depth - 1)
+
+
+def _settle_memory(target, draft, n: int) -> None:
+    """Allocate the run's caches once (n positions), write them through and free them: the timed
+    runs' caches then take memory the process already holds. Else the first decode of a process
+    faulted its cache pages in as its positions grew, ~15 us a step on the embedded pair, and
+    the README command's speculative run, timed first, read ~4 % slower than its baseline."""
+    states = [target.new_cache(n)] + ([draft.new_state(n)] if isinstance(draft, DFlashDraft) else [])
+    arrays = [a for st in states for a in _arrays(st)]
+    if sum(a.nbytes for a in arrays) <= TOUCH_MAX_BYTES:
+        for a in arrays:
+            a.fill(0)
+
+
 NOTICE = "compiling numba kernels (first run only: they are cached for later runs) ..."
 
 
@@ -120,7 +150,18 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
                 generate(target, draft, **kw)
             if baseline or draft is None:
                 generate(target, None, **dict(kw, block_size=None))
-    if auto:  # the verify cost table (a short timed sweep once kernels are compiled; cached on disk)
+    if auto:
+        # a plain run's backlog reaches the draft in one context update of any length: load the
+        # many-row path now (its first call in a process took ~3 ms more than the next on the
+        # embedded pair: ~8 % of the README command's run, charged to its first re-test)
+        if isinstance(draft, DFlashDraft) and len(ids) <= GEMV_MAX_ROWS:
+            n = GEMV_MAX_ROWS + 1
+            draft.extend_context(draft.new_state(n), np.zeros((n, draft.config.n_taps * draft.config.hidden_size),
+                                                              np.float32), 0, list(range(n)))
+        # the verify cost table (a short timed sweep once kernels are compiled; cached on disk)
         costs_for(target, draft, int(draft.block_size))
+    prompt_ids, max_new = generate_kwargs.get("prompt_ids"), generate_kwargs.get("max_new_tokens")
+    if getattr(target.ops, "device", "cpu") == "cpu" and prompt_ids is not None and max_new:
+        _settle_memory(target, draft, len(prompt_ids) + int(max_new))
     compiled = kernels_compiled() > before or getattr(target.ops, "device", "cpu") == "cuda"
     return time.perf_counter() - t0 if compiled else None

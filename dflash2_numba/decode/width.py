@@ -184,18 +184,6 @@ class AdaptiveWidth:
         self._plain_sum, self._plain_n = 0.0, 0
 
     # -- before drafting
-    def _best_value(self, S: np.ndarray, kmax: int) -> tuple[int, float]:
-        """argmax_{k in 0..kmax} E(k) with survival S [>= kmax+1] (S[0] = 1) -> (k, E(k))."""
-        c, D, S = self.costs.verify_list, self.costs.draft_s, S.tolist()  # Python floats: cheaper per step
-        best_k, best = 0, 1.0 / max(c[0], 1e-12)
-        tokens = 1.0
-        for k in range(1, kmax + 1):
-            tokens += S[k]
-            v = tokens / max(D + c[k], 1e-12)
-            if v > best:
-                best_k, best = k, v
-        return best_k, best
-
     def drafting_value(self, kmax: int) -> float:
         """Expected tokens per second of a drafted step: the larger of the model's best E(k >= 1)
         (average survival of recent drafted steps, the cost table) and the realized rate of
@@ -228,8 +216,16 @@ class AdaptiveWidth:
         return cost < remaining * gain
 
     def ceiling(self, kmax: int) -> float:
-        """What drafting could gain at most: the best E(k) with every draft accepted, over E(0)."""
-        return self._best_value(np.ones(kmax + 1), kmax)[1] * self.costs.verify_list[0]
+        """What drafting could gain at most: the best E(k) with every draft accepted, over E(0).
+        (Python floats, no arrays: a plain run asks it every PLAIN_BATCH steps, up to 3 times.)"""
+        c, D = self.costs.verify_list, self.costs.draft_s
+        best = 1.0 / max(c[0], 1e-12)
+        for k in range(1, kmax + 1):
+            d = D + c[k]
+            v = (k + 1) / (d if d > 1e-12 else 1e-12)
+            if v > best:
+                best = v
+        return best * c[0]
 
     def draft_now(self, kmax: int) -> bool:
         if self.warm_left > 0:
@@ -329,7 +325,7 @@ class AdaptiveWidth:
             self.real_s += w * (seconds - self.real_s)
         if self.online:
             self.costs.observe_verify(k + 1, verify_s)
-            if drafted and draft_s is not None:  # None: a catch-up step (the prompt's context), not typical
+            if drafted and draft_s is not None:  # None: a catch-up step whose feed price is unknown
                 self.costs.observe_draft(draft_s)
 
     def _observe_plain(self, verify_s: float) -> None:
