@@ -57,6 +57,47 @@ def test_expensive_rows_choose_k0_and_free_rows_the_full_width():
     assert _rule(np.full(B, 1.0), 0.0).choose(_prop(conf), 3) == 3
 
 
+@pytest.mark.parametrize("a,D4,D8", [(0.5, 0.3, 1.0), (0.95, 0.9, 1.0), (0.8, 0.6, 1.0), (0.3, 1.0, 1.0)])
+def test_the_draft_block_is_the_argmax_over_blocks_and_widths(a, D4, D8):
+    """With a timed 4-row block beside B = 8: the rule drafts with the block q and width
+    k <= q - 1 of the best (1 + a + .. + a^k) / (D(q) + c(k + 1)), against a brute force; a
+    cheap short block wins where later drafts are rarely right, the full block where they are."""
+    B = 8
+    verify = 1.0 + 0.25 * np.arange(B)
+    rule = W.AdaptiveWidth(W.CostTable(verify, D8, "injected", draft_rows={4: D4}), B, online=False, warm_steps=0)
+    rule.mean_S = a ** np.arange(B, dtype=np.float64)
+    rule.drafting = False  # from a plain run: draft when drafting beats a plain step (no hysteresis)
+    best = max(((1 + sum(a ** j for j in range(1, k + 1))) / (D + verify[k]), q)
+               for q, D in ((4, D4), (8, D8)) for k in range(1, q))
+    assert rule.draft_now(B - 1) == (best[0] > 1 / verify[0])
+    if best[0] > 1 / verify[0]:
+        assert rule.rows == best[1]
+    assert rule.ceiling(B - 1) == pytest.approx(
+        max(1.0, max((k + 1) / (D + verify[k]) for q, D in ((4, D4), (8, D8)) for k in range(1, q)) * verify[0]))
+
+
+def test_a_smaller_block_reaches_the_drafter_and_the_full_block_comes_back():
+    """The block the rule picks is the drafter's n_rows (and caps the drafts verified); after
+    FULL_EVERY drafted steps in a row on the small block one runs B, so the later positions'
+    survival is learnt again. Greedy output stays the target's."""
+    target = HashTarget(vocab_size=40, valid=36, scale=2.0, seed=5)
+    prompt = [4, 2, 9]
+    ref = greedy_reference(target, prompt, 60)
+    draft = OracleDrafter(target, block_size=8)
+    rows, real = [], draft.propose
+    draft.propose = lambda st, a, p, n, s, r: rows.append(n) or real(st, a, p, n, s, r)
+    verify = 1.0 + 0.25 * np.arange(8)
+    rule = W.AdaptiveWidth(W.CostTable(verify, 1.0, "injected", draft_rows={4: 0.1}), 8, online=False,
+                           warm_steps=0)
+    rule.est.rate = lambda j, b: 0.3  # rarely right past the first drafts: the 4-row block is worth more
+    r = generate(target, draft, prompt_ids=prompt, max_new_tokens=60, width=rule)
+    assert r.output_ids == ref
+    assert rows and set(rows) == {4, 8} and rows.count(8) <= len(rows) // (W.FULL_EVERY + 1) + 1
+    small = [i for i, n in enumerate(rows) if n == 4]
+    assert all(n == 8 for i, n in enumerate(rows) if i > W.FULL_EVERY and rows[i - W.FULL_EVERY:i] == [4] * W.FULL_EVERY)
+    assert max(r.stats.block_rows[i] for i in range(len(r.stats.block_rows))) <= 8 and small
+
+
 def _brute_force_k(a, verify, D, kmax):
     """argmax_k (1 + sum_{j<=k} a^j) / (D + c(k+1)), k in 0..kmax (first maximum)."""
     vals = [(1 + sum(a ** j for j in range(1, k + 1))) / (D + verify[k]) for k in range(kmax + 1)]
@@ -586,6 +627,36 @@ def test_auto_warm_up_loads_the_many_row_context_update(tiny_pair, monkeypatch):
     rows.clear()
     warm_up(target, draft, block_size=8, prompt_ids=[1, 2, 3], max_new_tokens=8)
     assert rows and max(rows) <= 3
+
+
+def test_warm_up_writes_the_run_s_caches_through_once(tiny_pair, monkeypatch):
+    """The first decode of a process faulted its cache pages in as it ran (~4 % of the README
+    command's speculative run, timed before its baseline): the warm-up allocates a target cache
+    and a draft state of the run's length and writes every array of them once. A budget whose
+    cache could not be allocated is left to the run's own named refusal."""
+    from dflash2_numba.decode import warmup
+
+    target, drafts = tiny_pair
+    draft = drafts["dflash2"]
+    made, new_cache, new_state = [], target.new_cache, draft.new_state
+
+    def poisoned(real):
+        def make(n):
+            st = real(n)
+            for a in warmup._arrays(st):
+                a[...] = np.nan if a.dtype.kind == "f" else 1  # what a write-through must overwrite
+            made.append((n, st))
+            return st
+        return make
+
+    monkeypatch.setattr(target, "new_cache", poisoned(new_cache))
+    monkeypatch.setattr(draft, "new_state", poisoned(new_state))
+    warmup._settle_memory(target, draft, 23)
+    full = [st for n, st in made if n == 23]
+    assert len(full) == 2 and all(np.all(a == 0) for st in full for a in warmup._arrays(st))
+    made.clear()
+    warmup._settle_memory(target, draft, 10 ** 9)  # 100+ GiB: not allocated at all
+    assert [n for n, _ in made] == [1, 1]
 
 
 def test_sweep_times_the_verify_step_not_the_forward_alone(tiny_pair, monkeypatch):

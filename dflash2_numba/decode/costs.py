@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 # ---------------------------------------------------------------- the cost table
-SWEEP_RECIPE = 7  # bump when measure_costs times something else (cached tables are then re-measured)
+SWEEP_RECIPE = 8  # bump when measure_costs times something else (cached tables are then re-measured)
+SMALL_BLOCKS = (4, 8)  # smaller runtime draft blocks the sweep times (those below the draft's B)
 PLAIN_RUN = 8  # one-row verifies in a row per sweep round (c(1): the last half's, the target's caches refilled)
 CLIP = 1.5  # an online sample counts as at most 1.5x (at least 1/1.5x) the current estimate
 
@@ -47,6 +48,9 @@ class CostTable:
     sweep_verify_s: np.ndarray = field(default=None, repr=False)
     sweep_draft_s: float = 0.0
     feed_s: float = 0.0  # seconds per context row fed to the draft (its catch-up); 0: unknown
+    # {q: seconds} of a draft step of q < B rows (a smaller runtime block: the proposal is cheaper,
+    # fewer drafts to verify); live values keep the swept ratio to draft_s (`draft_for`)
+    draft_rows: dict = field(default_factory=dict)
 
     def __post_init__(self):
         # more rows never cost less: each count takes the cheapest time measured at it or above,
@@ -76,7 +80,19 @@ class CostTable:
         """The measured values only (no online refresh seen): a seeded sampled run reads these,
         so that it draws the same tokens whatever ran before it in this process."""
         return CostTable(self.sweep_verify_s.copy(), self.sweep_draft_s, self.source, self.sweep_s,
-                         feed_s=self.feed_s)
+                         feed_s=self.feed_s, draft_rows=dict(self.draft_rows))
+
+    def draft_for(self, rows: int) -> float:
+        """Seconds of a draft step of `rows` rows: draft_s (the full block) unless the sweep timed
+        that smaller block, then its swept time scaled as draft_s has moved since the sweep."""
+        d = self.draft_rows.get(rows)
+        if d is None or self.sweep_draft_s <= 0:
+            return self.draft_s
+        return d * (self.draft_s / self.sweep_draft_s)
+
+    def draft_choices(self, B: int) -> list[int]:
+        """The runtime draft blocks to choose from: the timed smaller ones and B."""
+        return sorted({q for q in self.draft_rows if 2 <= q < B} | {int(B)})
 
     def observe_verify(self, rows: int, seconds: float, weight: float = 0.1) -> None:
         i = rows - 1
@@ -106,7 +122,11 @@ class CostTable:
         if not self._draft_seen:
             self.draft_s = self.sweep_draft_s * drift
 
-    def observe_draft(self, seconds: float, weight: float = 0.1) -> None:
+    def observe_draft(self, seconds: float, weight: float = 0.1, rows: int | None = None) -> None:
+        """A draft step's seconds (of `rows` rows: a smaller block counts at its swept ratio)."""
+        d = self.draft_rows.get(rows)
+        if d:
+            seconds *= self.sweep_draft_s / d
         self._draft_seen = True
         self._n_draft += 1
         weight = max(weight, 1.0 / (1 + self._n_draft))  # the sweep counts as one sample
@@ -117,7 +137,8 @@ class CostTable:
     def to_json(self, live: bool = False) -> dict:
         """The swept values, or with `live` the refreshed ones (what a decode measured)."""
         v, d = (self.verify_s, self.draft_s) if live else (self.sweep_verify_s, self.sweep_draft_s)
-        return {"verify_s": [float(x) for x in v], "draft_s": float(d), "feed_s": self.feed_s}
+        rows = {str(q): float(self.draft_for(q) if live else x) for q, x in self.draft_rows.items()}
+        return {"verify_s": [float(x) for x in v], "draft_s": float(d), "feed_s": self.feed_s, "draft_rows": rows}
 
     def save(self) -> bool:
         """Write the refreshed costs back to the disk cache this table came from (costs_for),
@@ -148,7 +169,8 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 8, budge
     """Time verify steps (the target forward and the acceptance on its logits, as the decode loop
     times them) of each sweep row count 1..`rows` (default B; the server's batch budget sweeps
     max_running x B rows: decode/batch_width.py) and draft steps (the pending rows' context
-    update + the B-row proposal: D) in a short decode after a `context`-token prefix: one cache
+    update + the B-row proposal: D; the same with the smaller runtime blocks of SMALL_BLOCKS:
+    draft_rows) in a short decode after a `context`-token prefix: one cache
     and one draft state that grow as a decode's do, each count in the order the loop runs it
     (one row in a run of one-row verifies, wider counts right after a draft step, each draft
     step right after a wider verify). Per context row, the draft's catch-up (the prefix fed to a
@@ -167,7 +189,8 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 8, budge
     limit = getattr(target.config, "max_position_embeddings", None) or 1 << 30
     counts = sweep_rows(R)
     n_new = 2  # a drafted step's commit: its accepted tokens + the bonus (about 2)
-    per_round = PLAIN_RUN + 1 + n_new * len(counts)  # positions one round commits (below)
+    small = [q for q in SMALL_BLOCKS if q < B]  # the smaller runtime draft blocks to time
+    per_round = PLAIN_RUN + 1 + n_new * (len(counts) + len(small))  # positions one round commits (below)
     context = max(n_new + 1, min(context, limit - R - 1 - (2 + n_new) - per_round))
     reps = max(1, min(reps, (limit - context - R - 1 - (2 + n_new)) // per_round))
     room = context + (2 + n_new) + reps * per_round + R + 1  # the prefix, the untimed steps, every round
@@ -177,6 +200,7 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 8, budge
     _, taps = target.forward(ids[:context], cache, tap_layers=taps_layers)  # the prefix
     times = {r: [] for r in counts}  # seconds per count, every round's
     d_times, f_best = [], np.inf
+    d_small = {q: [] for q in small}
     greedy, rng = SamplingParams(), np.random.default_rng(0)
     vv = valid_vocab(target)
 
@@ -192,14 +216,14 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 8, budge
     # has not seen yet start at pending[1] (their taps: pending[0], pieces joined at the next step)
     pos, pending = context, ([part(taps, context - n_new, context)], context - n_new)
 
-    def draft_step() -> float:
-        """One draft step as the loop runs it: the pending rows' context update, the B-row proposal."""
+    def draft_step(q: int = B) -> float:
+        """One draft step as the loop runs it: the pending rows' context update, the q-row proposal."""
         nonlocal pending
         pieces, start = pending
         joined = None if pieces[0] is None else pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         t0 = time.perf_counter()
         draft.extend_context(st, joined, start, ids[start:pos])
-        draft.propose(st, int(ids[pos]), pos, B, greedy, rng)
+        draft.propose(st, int(ids[pos]), pos, q, greedy, rng)
         seconds = time.perf_counter() - t0
         pending = ([], pos)
         return seconds
@@ -244,11 +268,14 @@ def measure_costs(target, draft, B: int, context: int = 32, reps: int = 8, budge
                 continue
             d_times.append(draft_step())
             times[r].append(verify_step(r, n_new))
+        for q in small:  # a smaller block's proposal, in the same place of a drafting run
+            d_small[q].append(draft_step(q))
+            verify_step(q, n_new)  # untimed: the verify it is followed by
     # the median of each count's samples: robust to a burst of load, and alike for counts
     # timed more or less often (the minimum of D's many samples read under a decode's typical D)
     med = {r: float(np.median(v)) for r, v in times.items()}
     return CostTable(interpolate(med, R), float(np.median(d_times)), "sweep", time.perf_counter() - t_start,
-                     feed_s=f_best)
+                     feed_s=f_best, draft_rows={q: float(np.median(v)) for q, v in d_small.items()})
 
 
 def _identity(target, draft, B: int, threads: int, rows: int) -> dict | None:
@@ -304,9 +331,10 @@ def _read_cached(path: Path, ident: dict, rows: int) -> CostTable | None:
         if raw.get("identity") != ident:
             return None
         v, d, f = np.asarray(raw["verify_s"], np.float64), float(raw["draft_s"]), float(raw["feed_s"])
-        if v.shape != (rows,) or not f >= 0:
+        q = {int(k): float(x) for k, x in raw["draft_rows"].items()}
+        if v.shape != (rows,) or not f >= 0 or not all(x > 0 for x in q.values()):
             return None
-        return CostTable(v, d, "cache", feed_s=f)
+        return CostTable(v, d, "cache", feed_s=f, draft_rows=q)
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent, truncated or from another layout: measure again
 

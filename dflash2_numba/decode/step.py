@@ -160,6 +160,7 @@ class Decoding:
         self.Bv = 0  # rows verified by the step in progress
         self.kmax = 0  # drafts the step in progress could verify (block and budget)
         self._drafted = False  # the step in progress ran the draft
+        self._Qd = self.Q  # its draft block (the width rule may choose a smaller one)
         self._ctx_n = 0  # context tokens it fed to the draft
         self._drafts, self._q, self._t0 = np.zeros(0, np.int64), None, 0.0
         self.logprobs = logprobs  # top N per token, None: not computed
@@ -246,12 +247,16 @@ class Decoding:
             self.Bv = 1  # a plain target step
             return None
         self._drafted = True
+        # the draft's runtime block this step: Q, or a smaller one the width rule chose (its
+        # cheaper proposal over fewer drafts, decode/width.py), which caps the drafts verified
+        self._Qd = rows = min(self.Q, getattr(self.width, "rows", self.Q) or self.Q)
+        self.kmax = min(self.kmax, rows - 1)
         parts = self.ctx_taps + ([self._rows[:self._rows_n]] if self._rows_n else [])  # (a view: read by
         taps = None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)  # the draft now) [n, T*H]
         context = (taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
         self._ctx_n = self.start - self.ctx_start  # committed tokens this step feeds to the draft
         self.ctx_taps, self._rows_n, self.ctx_start = [], 0, self.start
-        return DraftCall(self.dstate, context, self.ids[self.start], self.start, self.Q, self.sampling, self.rng)
+        return DraftCall(self.dstate, context, self.ids[self.start], self.start, rows, self.sampling, self.rng)
 
     def _draft_this_step(self) -> bool:
         """The width rule's verdict: a run of plain steps it has already decided (`plain_left`)
@@ -271,7 +276,7 @@ class Decoding:
 
     def verify_ids(self, prop) -> np.ndarray:
         """The verify block [Bv]: anchor + the proposal's drafts trimmed to the budget."""
-        Q, Bv = self.Q, self.Bv
+        Q, Bv = self._Qd, self.Bv
         if prop is not None:
             drafts, q = np.asarray(prop.draft_ids, np.int64), prop.q  # [Q-1], [Q-1, V] | None
             if drafts.shape != (Q - 1,):

@@ -100,10 +100,14 @@ def _settle_memory(target, draft, n: int) -> None:
     runs' caches then take memory the process already holds. Else the first decode of a process
     faulted its cache pages in as its positions grew, ~15 us a step on the embedded pair, and
     the README command's speculative run, timed first, read ~4 % slower than its baseline."""
-    states = [target.new_cache(n)] + ([draft.new_state(n)] if isinstance(draft, DFlashDraft) else [])
-    arrays = [a for st in states for a in _arrays(st)]
-    if sum(a.nbytes for a in arrays) <= TOUCH_MAX_BYTES:
-        for a in arrays:
+    def states(length: int) -> list:
+        return [target.new_cache(length)] + ([draft.new_state(length)] if isinstance(draft, DFlashDraft) else [])
+
+    one = sum(a.nbytes for st in states(1) for a in _arrays(st))  # >= the bytes per position
+    if one * n > TOUCH_MAX_BYTES:  # (a huge budget is refused by name later, by the run itself)
+        return
+    for st in states(n):
+        for a in _arrays(st):
             a.fill(0)
 
 

@@ -143,6 +143,7 @@ def proposal_confidence(prop) -> np.ndarray | None:
 STAY = 0.1
 PLAIN_BATCH = 8  # a plain run asks the rule (and refreshes c(1)) once per this many steps at most
 RETEST_SHARE = 0.05  # a re-test's expected loss may be this share of the plain run before it
+FULL_EVERY = 8  # drafted steps in a row on a smaller block before one runs the full block B
 WARM_CEILING = 1.5  # the first steps draft (statistics to start from) where drafting could gain this much
 
 
@@ -162,6 +163,7 @@ class AdaptiveWidth:
         if costs.B < B:
             raise ValueError(f"cost table for {costs.B} rows, block of {B}")
         self.costs, self.B, self.online = costs, int(B), online
+        self.choices = costs.draft_choices(self.B)  # runtime draft blocks: the timed smaller ones and B
         self.retest_share = float(retest_share)
         self.stay = float(stay)  # hysteresis: a drafting run goes on while drafting >= (1 - stay) x plain
         self.drafting = True  # the regime of the last decision (the warm-up drafts)
@@ -182,20 +184,17 @@ class AdaptiveWidth:
         # caches swapped back: ~1.2-1.5x a plain step's time) is a price of drafting, not of c(1)
         self.plain_left, self._after_draft = 0, False
         self._plain_sum, self._plain_n = 0.0, 0
+        # the draft's runtime block of the step in progress (decode/step.py reads it): B, or a
+        # smaller block the sweep timed where its cheaper proposal is worth more (`_pick_rows`)
+        self.rows = self._model_rows = self.B
+        self._small_run = 0  # drafted steps in a row on a smaller block
 
     # -- before drafting
     def drafting_value(self, kmax: int) -> float:
         """Expected tokens per second of a drafted step: the larger of the model's best E(k >= 1)
         (average survival of recent drafted steps, the cost table) and the realized rate of
         recent drafted steps (tokens over measured seconds)."""
-        c, D, S = self.costs.verify_list, self.costs.draft_s, self.mean_S.tolist()
-        tokens, best = 1.0, 0.0
-        for k in range(1, kmax + 1):  # comparisons, not max(): this runs before every plain step
-            tokens += S[k]
-            d = D + c[k]
-            v = tokens / (d if d > 1e-12 else 1e-12)
-            if v > best:
-                best = v
+        self._model_rows, best = self._pick_rows(kmax, self.mean_S.tolist())
         if self.real_s > 0 and self.real_tokens / self.real_s > best:
             best = self.real_tokens / self.real_s
         return best
@@ -218,24 +217,36 @@ class AdaptiveWidth:
     def ceiling(self, kmax: int) -> float:
         """What drafting could gain at most: the best E(k) with every draft accepted, over E(0).
         (Python floats, no arrays: a plain run asks it every PLAIN_BATCH steps, up to 3 times.)"""
-        c, D = self.costs.verify_list, self.costs.draft_s
-        best = 1.0 / max(c[0], 1e-12)
-        for k in range(1, kmax + 1):
-            d = D + c[k]
-            v = (k + 1) / (d if d > 1e-12 else 1e-12)
-            if v > best:
-                best = v
-        return best * c[0]
+        c = self.costs.verify_list
+        return max(1.0 / max(c[0], 1e-12), self._pick_rows(kmax, None)[1]) * c[0]
+
+    def _pick_rows(self, kmax: int, S) -> tuple[int, float]:
+        """The runtime draft block q (B or a smaller timed one) and k <= min(kmax, q - 1) with
+        the best E(k) = (1 + S_1 + .. + S_k) / (D(q) + c(k + 1)), survival S (None: every draft
+        accepted) -> (q, that E). A smaller block proposes fewer drafts for less."""
+        c, costs = self.costs.verify_list, self.costs
+        best_q, best = self.B, 0.0
+        for q in self.choices:
+            D = costs.draft_for(q)
+            tokens = 1.0
+            for k in range(1, min(kmax, q - 1) + 1):  # comparisons, not max(): per plain batch
+                tokens += 1.0 if S is None else S[k]
+                d = D + c[k]
+                v = tokens / (d if d > 1e-12 else 1e-12)
+                if v > best:
+                    best_q, best = q, v
+        return best_q, best
 
     def draft_now(self, kmax: int) -> bool:
         if self.warm_left > 0:
             if self.ceiling(kmax) >= WARM_CEILING:
+                self.rows = self._pick_rows(kmax, self.mean_S.tolist())[0]
                 return True
             self.warm_left = 0  # drafting could gain little even at full acceptance: no forced drafts
         plain = 1.0 / max(self.costs.verify_list[0], 1e-12)  # E(0)
         if self.drafting_value(kmax) > (plain * (1.0 - self.stay) if self.drafting else plain):  # E(k >= 1) vs E(0)
             self.plain_run, self.probe_level, self._probe = 0, 0, False
-            self.drafting = True
+            self.drafting, self.rows = True, self._explore(self._model_rows)
             return True
         self.drafting = False
         self.plain_run += 1
@@ -243,7 +254,7 @@ class AdaptiveWidth:
         # could not pay for their rows
         due = self._retest_due(kmax)
         if self.plain_run >= due:
-            self.plain_run, self._probe = 0, True
+            self.plain_run, self._probe, self.rows = 0, True, self._retest_rows()
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
             return True
         # the verdict holds until the re-test is due (the statistics do not move in a plain run;
@@ -263,12 +274,28 @@ class AdaptiveWidth:
         top = self.ceiling(kmax)
         if top <= 1.0:
             return float("inf")
-        c, D, S = self.costs.verify_list, self.costs.draft_s, self.mean_S
+        c, D, S = self.costs.verify_list, self.costs.draft_for(self._retest_rows()), self.mean_S
         k = min(2, kmax)
         loss = D + c[k] - (1.0 + float(S[1:k + 1].sum())) * c[0]
         share = self.retest_share * min(1.0, (top - 1.0) / (WARM_CEILING - 1.0))  # less where less is to gain
         by_budget = loss / (share * c[0]) if loss > 0 else 0.0
         return max(self.probe_every[self.probe_level] + 1, by_budget)
+
+    def _explore(self, q: int) -> int:
+        """A smaller block verifies positions < q only, so the survival of the later ones stops
+        being learnt: after FULL_EVERY drafted steps in a row on smaller blocks, one runs B."""
+        if q >= self.B:
+            self._small_run = 0
+            return q
+        self._small_run += 1
+        if self._small_run > FULL_EVERY:
+            self._small_run = 0
+            return self.B
+        return q
+
+    def _retest_rows(self) -> int:
+        """A re-test's draft block: the cheapest that proposes the two drafts it verifies."""
+        return min((q for q in self.choices if q >= 3), key=self.costs.draft_for, default=self.B)
 
     # -- after drafting
     def choose(self, prop, kmax: int) -> int:
@@ -276,7 +303,7 @@ class AdaptiveWidth:
         b = self.est.buckets(conf, kmax)
         self._buckets = b
         bl = b.tolist()
-        c, D = self.costs.verify_list, self.costs.draft_s  # Python floats: cheaper per step
+        c, D = self.costs.verify_list, self.costs.draft_for(self.rows)  # Python floats: cheaper per step
         rate = self.est.rate
         # the step's own survival of every position, for the average the gate uses (past
         # statistics for later steps; this step's decision reads positions <= j only, below)
@@ -326,7 +353,7 @@ class AdaptiveWidth:
         if self.online:
             self.costs.observe_verify(k + 1, verify_s)
             if drafted and draft_s is not None:  # None: a catch-up step whose feed price is unknown
-                self.costs.observe_draft(draft_s)
+                self.costs.observe_draft(draft_s, rows=self.rows)
 
     def _observe_plain(self, verify_s: float) -> None:
         """A plain step's one-row time. The first after a drafted step goes to drafting's realized
