@@ -609,26 +609,6 @@ def test_refreshed_costs_are_saved_for_the_next_process(tiny_pair, tmp_path, mon
     draft.__dict__.pop("_width_costs")
 
 
-def test_auto_warm_up_loads_the_many_row_context_update(tiny_pair, monkeypatch):
-    """A plain run's backlog reaches the draft in one context update of any length; its many-row
-    path's first call in a process cost ~3 ms more than later ones on the embedded pair, paid by
-    the README command's first re-test. The `auto` warm-up calls it (untimed) for a short prompt;
-    a fixed width, whose first draft step feeds the prompt the warm-up already ran, does not."""
-    from dflash2_numba.decode.warmup import warm_up
-    from dflash2_numba.kernels.linear import GEMV_MAX_ROWS
-
-    target, drafts = tiny_pair
-    draft = drafts["dflash2"]
-    rows, real = [], draft.extend_context
-    monkeypatch.setattr(draft, "extend_context", lambda st, taps, start, ids: rows.append(len(ids)) or
-                        real(st, taps, start, ids))
-    warm_up(target, draft, block_size="auto", prompt_ids=[1, 2, 3], max_new_tokens=8)
-    assert GEMV_MAX_ROWS + 1 in rows and max(rows) == GEMV_MAX_ROWS + 1
-    rows.clear()
-    warm_up(target, draft, block_size=8, prompt_ids=[1, 2, 3], max_new_tokens=8)
-    assert rows and max(rows) <= 3
-
-
 def test_warm_up_writes_the_run_s_caches_through_once(tiny_pair, monkeypatch):
     """The first decode of a process faulted its cache pages in as it ran (~4 % of the README
     command's speculative run, timed before its baseline): the warm-up allocates a target cache

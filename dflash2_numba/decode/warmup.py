@@ -155,13 +155,6 @@ def warm_up(target, draft, *, baseline: bool = False, notice=None, **generate_kw
             if baseline or draft is None:
                 generate(target, None, **dict(kw, block_size=None))
     if auto:
-        # a plain run's backlog reaches the draft in one context update of any length: load the
-        # many-row path now (its first call in a process took ~3 ms more than the next on the
-        # embedded pair: ~8 % of the README command's run, charged to its first re-test)
-        if isinstance(draft, DFlashDraft) and len(ids) <= GEMV_MAX_ROWS:
-            n = GEMV_MAX_ROWS + 1
-            draft.extend_context(draft.new_state(n), np.zeros((n, draft.config.n_taps * draft.config.hidden_size),
-                                                              np.float32), 0, list(range(n)))
         # the verify cost table (a short timed sweep once kernels are compiled; cached on disk)
         costs_for(target, draft, int(draft.block_size))
     prompt_ids, max_new = generate_kwargs.get("prompt_ids"), generate_kwargs.get("max_new_tokens")
