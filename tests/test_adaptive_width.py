@@ -155,12 +155,40 @@ def test_a_plain_run_asks_the_rule_once_per_plain_batch():
     prompt = [2, 7]
     ref = greedy_reference(target, prompt, 64)
     rule = _rule([1.0] + [1e3 * r for r in range(1, 8)], 0.2, B=8)  # drafting never pays
+    rule.retires = None  # (a request that stops feeding its draft: the next test)
     calls = []
     real = rule.draft_now
     rule.draft_now = lambda kmax: calls.append(kmax) or real(kmax)
     r = generate(target, OracleDrafter(target, block_size=8), prompt_ids=prompt, max_new_tokens=64, width=rule)
     assert r.output_ids == ref and r.stats.drafted_steps == 0
     assert len(calls) == -(-r.stats.steps // W.PLAIN_BATCH), (len(calls), r.stats.steps)
+
+
+@pytest.mark.parametrize("never_pays", [True, False])
+def test_a_request_stops_feeding_its_draft_when_no_retest_can_come(never_pays):
+    """Drafting that could never pay (re-test due: never) or whose next re-test would come after
+    the budget: the request retires its draft at the first plain verdict; its forwards take no
+    taps from then on (a target-only step) and the rule is not asked again. A re-test due within
+    the budget keeps the draft fed. Greedy output is the target's either way."""
+    target = HashTarget(vocab_size=40, valid=36, scale=2.0, seed=4)
+    prompt = [2, 7]
+    ref = greedy_reference(target, prompt, 64)
+    verify = [1.0] + ([1e3 * r for r in range(1, 8)] if never_pays else [1.0 + 0.5 * r for r in range(1, 8)])
+    rule = _rule(verify, 0.2, B=8, warm_steps=0)
+    rule.est.rate = lambda j, b: 0.01  # drafts almost never right: a plain verdict, re-tests when due
+    asked, taps = [], []
+    real, forward = rule.draft_now, target.forward
+    rule.draft_now = lambda kmax: asked.append(kmax) or real(kmax)
+    target.forward = lambda ids, cache, tap_layers=(), **kw: taps.append(tuple(tap_layers)) or forward(
+        ids, cache, tap_layers=tap_layers, **kw)
+    draft = TapCheckingDrafter(OracleDrafter(target, block_size=8), target, tap_layers=(0, 2))
+    r = generate(target, draft, prompt_ids=prompt, max_new_tokens=64, width=rule)
+    assert r.output_ids == ref
+    if never_pays:  # ceiling < 1: due never
+        assert len(asked) == 1 and r.stats.drafted_steps == 0 and taps[2:] == [()] * (len(taps) - 2)
+    else:  # due after a few plain steps (the schedule's 2 + 1): re-tests happen until the budget
+        # left is shorter than the next one's wait (then it retires: no draft could run again)
+        assert r.stats.drafted_steps >= 2
 
 
 def test_the_first_plain_step_after_a_draft_is_drafting_s_price_not_c1():

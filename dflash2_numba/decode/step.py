@@ -161,6 +161,7 @@ class Decoding:
         self.kmax = 0  # drafts the step in progress could verify (block and budget)
         self._drafted = False  # the step in progress ran the draft
         self._Qd = self.Q  # its draft block (the width rule may choose a smaller one)
+        self.retired = False  # the width rule will not draft again in this request (`_draft_this_step`)
         self._ctx_n = 0  # context tokens it fed to the draft
         self._drafts, self._q, self._t0 = np.zeros(0, np.int64), None, 0.0
         self.logprobs = logprobs  # top N per token, None: not computed
@@ -261,12 +262,23 @@ class Decoding:
     def _draft_this_step(self) -> bool:
         """The width rule's verdict: a run of plain steps it has already decided (`plain_left`)
         is counted down here, without calling it."""
+        if self.retired:
+            return False
         w = self.width
         left = getattr(w, "plain_left", 0)
         if left > 0:
             w.plain_left = left - 1
             return False
-        return self._catch_up_pays() and w.draft_now(self.kmax)
+        if self._catch_up_pays() and w.draft_now(self.kmax):
+            return True
+        retires = getattr(w, "retires", None)
+        if retires is not None and retires(self.max_len - 1 - self.start):
+            # no re-test before the budget ends and drafting does not pay now: the rest of this
+            # request is plain steps, so the draft's context (the taps every forward copies for
+            # it, its state) is of no use any more: the steps become target-only ones
+            self.retired, self.tap_layers, self.dstate = True, (), None
+            self.ctx_taps, self._rows, self._rows_n = [], None, 0
+        return False
 
     def _catch_up_pays(self) -> bool:
         """The width rule's verdict on the draft's context backlog (rows start - ctx_start: the
@@ -297,7 +309,7 @@ class Decoding:
         check_finite(logits, f"step {self.stats.steps + 1}: verify", start)
         a, x = verify_block(mask_padded(logits, self.vv), self._drafts, self._q, self.sampling, self.rng)
         self.cache.commit(start + a + 1)  # keep the anchor and the a accepted drafts (any layer kind)
-        if self.draft is not None and taps is not None:  # [a+1, T*H], positions start..start+a
+        if self.draft is not None and taps is not None and not self.retired:  # [a+1, T*H], positions start..start+a
             self._keep_rows(taps, a + 1)
         t2 = time.perf_counter()
         self.stats.draft_s += self._t1 - self._t0
@@ -308,7 +320,7 @@ class Decoding:
         if catch_up:
             self.stats.catch_up_steps += 1
             self.stats.catch_up_draft_s += self._t1 - self._t0
-        if self.width is not None:  # (the rules read draft_s on drafted steps only)
+        if self.width is not None and not self.retired:  # (the rules read draft_s on drafted steps only)
             self.width.observe(self.Bv - 1, a, self._drafted, self._typical_draft_s(catch_up), t2 - self._t1)
         step = self._commit([int(d) for d in self._drafts[:a]] + [x], a)
         self._score(step, logits)  # row j: the distribution of the j-th committed token

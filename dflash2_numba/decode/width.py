@@ -188,6 +188,7 @@ class AdaptiveWidth:
         # smaller block the sweep timed where its cheaper proposal is worth more (`_pick_rows`)
         self.rows = self._model_rows = self.B
         self._small_run = 0  # drafted steps in a row on a smaller block
+        self._due = 0.0  # the plain-run length of the next re-test (set by a plain verdict)
 
     # -- before drafting
     def drafting_value(self, kmax: int) -> float:
@@ -252,7 +253,7 @@ class AdaptiveWidth:
         self.plain_run += 1
         # re-test now and then (estimates go stale), unless even drafts that are always accepted
         # could not pay for their rows
-        due = self._retest_due(kmax)
+        due = self._due = self._retest_due(kmax)
         if self.plain_run >= due:
             self.plain_run, self._probe, self.rows = 0, True, self._retest_rows()
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
@@ -264,6 +265,13 @@ class AdaptiveWidth:
             self.plain_left = ahead
             self.plain_run += ahead
         return False
+
+    def retires(self, remaining: int) -> bool:
+        """After a plain verdict: True when the next re-test would come after the `remaining`
+        tokens of the request's budget (a plain run commits one a step). The verdict cannot turn
+        before: a plain run moves no survival statistic, and c(1)'s drift moves the untimed
+        costs with it (decode/costs.py), so the request can stop feeding its draft."""
+        return not self.drafting and self.warm_left <= 0 and self.plain_run + remaining < self._due
 
     def _retest_due(self, kmax: int) -> float:
         """The length of a plain run at which a re-test drafts: after the schedule's next count of

@@ -123,7 +123,7 @@ def step_batch(target, draft, decodings: list, rule=None) -> list:
     if rule is not None:
         rule.allot(decodings, props)
     blocks = [d.verify_ids(p) for d, p in zip(decodings, props)]  # [Bv_r] each
-    tap_layers = decodings[0].tap_layers
+    tap_layers = next((d.tap_layers for d in decodings if d.tap_layers), ())  # (a retired request has none)
     t2 = time.perf_counter()
     outs = verify_batch(target, blocks, [d.cache for d in decodings], tap_layers)
     t3 = time.perf_counter()
