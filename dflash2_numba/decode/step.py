@@ -231,11 +231,12 @@ class Decoding:
 
     def begin_step(self) -> DraftCall | None:
         """Start a step: Bv = rows to verify; when a draft runs (Bv >= 2), the draft work to do:
-        the context update and the proposal (the draft always runs the runtime Q rows: its
-        block is non-causal, so its length changes every row; the budget only trims the verify).
-        With a width rule, the rule may decide on a plain target step (Bv = 1, no draft): the
-        committed tokens' taps then wait (ctx_taps, the row buffer) and reach the draft context at the next
-        drafted step, so speculation resumes on a complete context."""
+        the context update and the proposal (the draft runs the runtime Q rows, or the smaller
+        block a width rule chose: its block is non-causal, so its length changes every row; the
+        budget only trims the verify). With a width rule, the rule may decide on a plain target
+        step (Bv = 1, no draft): the committed tokens' taps then wait (ctx_taps, the row buffer)
+        and reach the draft context at the next drafted step, so speculation resumes on a
+        complete context."""
         assert self.cache.length == self.start and len(self.ids) == self.start + 1, (
             self.cache.length, self.start, len(self.ids))
         self.Bv = self.budget_kmax() + 1  # remaining budget
@@ -252,8 +253,9 @@ class Decoding:
         # cheaper proposal over fewer drafts, decode/width.py), which caps the drafts verified
         self._Qd = rows = min(self.Q, getattr(self.width, "rows", self.Q) or self.Q)
         self.kmax = min(self.kmax, rows - 1)
-        parts = self.ctx_taps + ([self._rows[:self._rows_n]] if self._rows_n else [])  # (a view: read by
-        taps = None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)  # the draft now) [n, T*H]
+        # (the buffer's rows go as a view: the draft reads them before this request's next accept)
+        parts = self.ctx_taps + ([self._rows[:self._rows_n]] if self._rows_n else [])
+        taps = None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)  # [n, T*H]
         context = (taps, self.ctx_start, np.asarray(self.ids[self.ctx_start:self.start], np.int64))
         self._ctx_n = self.start - self.ctx_start  # committed tokens this step feeds to the draft
         self.ctx_taps, self._rows_n, self.ctx_start = [], 0, self.start
@@ -269,9 +271,11 @@ class Decoding:
         if left > 0:
             w.plain_left = left - 1
             return False
-        if self._catch_up_pays() and w.draft_now(self.kmax):
+        if not self._catch_up_pays():
+            return False
+        if w.draft_now(self.kmax):
             return True
-        retires = getattr(w, "retires", None)
+        retires = getattr(w, "retires", None)  # (asked right after the rule's plain verdict)
         if retires is not None and retires(self.max_len - 1 - self.start):
             # no re-test before the budget ends and drafting does not pay now: the rest of this
             # request is plain steps, so the draft's context (the taps every forward copies for
@@ -330,8 +334,8 @@ class Decoding:
 
     def _keep_rows(self, taps: np.ndarray, n: int) -> None:
         """Copy a step's first n tap rows into the reused buffer (doubling it when full). Kept
-        as the forward's own arrays instead, a plain run's rows piled up in fresh memory, and
-        each step faulted a page in: ~2 % of a plain step on the embedded pair."""
+        as the forward's own arrays instead, a plain run's rows piled up in fresh memory, a
+        new page every step or two."""
         held, buf = self._rows_n, self._rows
         if buf is None or held + n > buf.shape[0]:
             grown = np.empty((max(64, 2 * (held + n)), taps.shape[1]), np.float32)  # [capacity, T*H]
