@@ -12,14 +12,15 @@ target KV cache) and `Q` the runtime block length:
                                          # (block_size "auto": Bv = k+1 <= that, decode/width.py;
                                          #  k = 0 is a plain target step without a draft forward)
     draft.extend_context(taps of committed tokens not yet in the draft context)
-    drafts = draft.propose(anchor, start, Q)[:Bv-1]         # the draft always runs Q rows
+    drafts = draft.propose(anchor, start, Q)[:Bv-1]         # the draft runs Q rows (auto: or a smaller block)
     logits, taps = target.forward([anchor, d_1..], cache)   # ONE verify forward, positions start..
     a, x = verify_block(...)                                # a drafts accepted, x = bonus/correction
     emit d_1..d_a, x (truncated inclusively at the first stop id)
     cache.commit(start + a + 1); taps[0 : a+1] become the next draft context
 
-The draft block is non-causal, so its length changes every row's output: it always runs Q
-rows (like vLLM and the z-lab reference), and only the verify is trimmed to `Bv` rows. Emitting
+The draft block is non-causal, so its length changes every row's output: it runs Q rows (like
+vLLM and the z-lab reference; under "auto" the width rule may pick a smaller block it timed,
+before drafting) and the budget trims only the verify to `Bv` rows. Emitting
 at most `Bv` tokens keeps the output exactly max_new_tokens long when no stop id appears.
 
 The per-step logic (prefill chunks, Bv, draft context, verify, accept, commit) is
