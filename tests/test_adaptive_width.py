@@ -191,6 +191,25 @@ def test_a_request_stops_feeding_its_draft_when_no_retest_can_come(never_pays):
         assert r.stats.drafted_steps >= 2
 
 
+def test_a_catch_up_veto_does_not_retire_the_draft():
+    """A request retires only right after the rule's own plain verdict: a step made plain by the
+    catch-up veto (the draft's backlog too dear for the tokens left) says nothing of when the
+    next re-test comes, so the draft keeps its context (taps on every forward)."""
+    target = HashTarget(vocab_size=40, valid=36, scale=2.0, seed=6)
+    prompt = [3, 9]
+    ref = greedy_reference(target, prompt, 30)
+    rule = _rule(np.full(8, 1.0), 0.0, warm_steps=0)
+    rule.catch_up_pays = lambda pending, remaining, kmax: False  # every step vetoed
+    rule.retires = lambda remaining: True  # would retire if asked
+    draft = TapCheckingDrafter(OracleDrafter(target, block_size=8), target, tap_layers=(0, 2))
+    taps, forward = [], target.forward
+    target.forward = lambda ids, cache, tap_layers=(), **kw: taps.append(tuple(tap_layers)) or forward(
+        ids, cache, tap_layers=tap_layers, **kw)
+    r = generate(target, draft, prompt_ids=prompt, max_new_tokens=30, width=rule)
+    assert r.output_ids == ref and r.stats.drafted_steps == 0
+    assert taps == [(0, 2)] * len(taps) and len(taps) == r.stats.steps + 1
+
+
 def test_the_first_plain_step_after_a_draft_is_drafting_s_price_not_c1():
     """The first plain step after a drafted step runs with the draft's code and data in the
     caches: its extra over c(1) is added to drafting's realized seconds, and c(1) is refreshed
