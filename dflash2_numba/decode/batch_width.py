@@ -46,6 +46,7 @@ from .width import AUTO, AdaptiveWidth, CostTable, SurvivalEstimator, costs_for,
 
 
 GAIN_STALE = 256  # steps after which a realized gain no longer decides (the model does again)
+RATE_DECAY = 0.9  # per step, of the realized rates' sums (about the last 10 steps of each kind)
 PROBE_SHARE = 0.015  # a re-test may cost up to this share of the plain steps' time since the last
 
 
@@ -118,10 +119,13 @@ class BatchWidth:
         # (both measured alike, so load and the table's errors cancel; the table's E(0) until
         # a plain step at R has run)
         self.gain: dict[tuple[int, int], float] = {}
-        self.plain_rate: dict[int, float] = {}  # R -> tokens / second of plain steps (exponential average)
+        # realized rates as decayed sums [tokens, seconds] (a ratio of sums: one step's tokens
+        # are bimodal, 2 or B, and an average of per-step ratios swung by +-50 % on the x8 pair)
+        self.plain_sums: dict[int, list[float]] = {}  # R -> of plain steps at R
+        self.draft_sums: dict[tuple[int, int], list[float]] = {}  # (R, n) -> of steps drafting n at R
         self.gain_step: dict[tuple[int, int], int] = {}  # (R, n) -> the step its gain was last updated
         self._R = 0  # requests in the step in progress
-        self.gain_weight = 0.2
+        self.decay = RATE_DECAY
         self._key: tuple | None = None  # this step drafts: (R, n, E(0), a plain step's seconds)
         self.probe_extra: float | None = None  # measured extra seconds of a re-test step
         self._plain_step_s = 0.0  # a plain step's estimated seconds (plan)
@@ -143,35 +147,52 @@ class BatchWidth:
         return 0.0 if n <= 0 else float(self.draft_costs.verify_s[min(n, len(self.draft_costs.verify_s)) - 1])
 
     def record(self, drafting: int, draft_s: float, typical: bool, rows: int, verify_s: float, tokens: int,
-               trimmed: bool = False) -> None:
+               trimmed: bool = False, backlog: int = 0) -> None:
         """The measured seconds of a batched step: its draft forward (n requests; `typical`:
         no request fed more than a block of context, e.g. its prompt's, or the backlog of a run
-        of plain steps) and its verify of `rows` rows in all, and the tokens it committed
-        (`trimmed`: a drafting request's block was cut by its token budget)."""
+        of plain steps; `backlog`: the context rows fed past one block, in all) and its verify of
+        `rows` rows in all, and the tokens it committed (`trimmed`: a drafting request's block
+        was cut by its token budget)."""
         if not self.online:
             return
         if self._probe is not None:  # what a re-test really costs over a plain step (context catch-up included)
             extra = draft_s + verify_s - self._key[3]
             self.probe_extra = extra if self.probe_extra is None else self.probe_extra + 0.3 * (extra - self.probe_extra)
-        rate = tokens / max(draft_s + verify_s, 1e-12)
         if drafting == 0:
-            self._average(self.plain_rate, self._R, rate)
+            self._add(self.plain_sums, self._R, tokens, verify_s)
         elif self._key is not None and not trimmed:  # a budget's last steps say little of drafting
             # a context catch-up (the prompt's, or a run of plain steps' backlog) is the price of
-            # resuming, not of drafting: such a step counts the draft at its usual cost
+            # resuming, not of drafting: such a step counts its draft without the backlog's rows
+            # (at the table's price per row), or at the draft's usual cost where that is unknown
+            seconds = draft_s
             if not typical:
-                rate = tokens / max(self.D(drafting) + verify_s, 1e-12)
+                feed = self.costs.feed_s
+                seconds = max(0.0, draft_s - backlog * feed) if feed > 0 and backlog else self.D(drafting)
             R, n, plain, _ = self._key
-            self._average(self.gain, (R, n), rate / max(self.plain_rate.get(R, plain), 1e-12))
+            self._add(self.draft_sums, (R, n), tokens, seconds + verify_s)
+            self.gain[R, n] = self._rate(self.draft_sums[R, n]) / max(self.plain_rate(R, plain), 1e-12)
             self.gain_step[R, n] = self.steps
         if 1 <= rows <= self.costs.B:
             self.costs.observe_verify(rows, verify_s)
         if typical and 1 <= drafting <= self.draft_costs.B:
             self.draft_costs.observe_verify(drafting, draft_s)
 
-    def _average(self, table: dict, key, value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else old + self.gain_weight * (value - old)
+    def plain_rate(self, R: int, model: float) -> float:
+        """Tokens per second of plain steps at R: measured, else the table's E(0) `model`."""
+        sums = self.plain_sums.get(R)
+        return model if sums is None else self._rate(sums)
+
+    def _add(self, table: dict, key, tokens: float, seconds: float) -> None:
+        sums = table.get(key)
+        if sums is None:
+            table[key] = [float(tokens), float(seconds)]
+        else:
+            sums[0] = self.decay * sums[0] + tokens
+            sums[1] = self.decay * sums[1] + seconds
+
+    @staticmethod
+    def _rate(sums: list[float]) -> float:
+        return sums[0] / max(sums[1], 1e-12)
 
     def _others(self, decodings: list, kmax: list[int]) -> tuple[int, float, int]:
         """(rows, expected tokens, drafting requests) of a step before the seats' drafts: one
@@ -256,7 +277,9 @@ class BatchWidth:
             s, kmax = d.width, d.kmax
             s.buckets = self.est.buckets(proposal_confidence(p), kmax)
             S = np.cumprod([self.est.rate(j, int(s.buckets[j - 1])) for j in range(1, kmax + 1)])  # [kmax]
-            w = self.mean_weight if s.seen else 1.0  # the first drafted step replaces the prior
+            # the server's average is the prior: one step's confidences (a first block that went
+            # wrong) must not stop a request from drafting for the rest of its budget
+            w = self.mean_weight if s.seen else 0.5
             s.mean_S[1:kmax + 1] += w * (S - s.mean_S[1:kmax + 1])
             self.mean_S[1:kmax + 1] += self.mean_weight * (S - self.mean_S[1:kmax + 1])
             s.seen, s.last_drafted = True, self.steps

@@ -28,8 +28,8 @@ the result differs from the row-layout kernel (a reassociated vector sum) only b
 
 Tiles are sized per register file (kernels/isa.py, what numba compiles for):
 - 512-bit (32 zmm): <16 x float> vectors; rows in groups of 8 against 1 panel (8 x 32
-  accumulators = 16 zmm), then groups of 4 against 2 panels (16 zmm), then 2 rows x 4 panels,
-  then 1 row x 4 panels. The 8x1 tile reads each panel from memory once for 8 rows; with 4x2
+  accumulators = 16 zmm), then the r < 8 rows left in one pass where a tile holds them: r rows
+  against 2 panels for r = 3..6 (7: 4 + 3), 2 rows x 4 panels, 1 row x 4 panels. The 8x1 tile reads each panel from memory once for 8 rows; with 4x2
   tiles only (the earlier choice: on cache-resident shapes 4x2 had beaten 8x1) the second group
   of 4 rows re-read the panels from L2 after the first had streamed them, so reading and FMAs
   overlapped less: streamed [2048, 2048], 8 rows, three alternating runs each, 1 thread
@@ -41,8 +41,9 @@ Tiles are sized per register file (kernels/isa.py, what numba compiles for):
   12 independent FMA chains hide the FMA latency that 8 do not (the 512-bit 4x2 tile needs 32
   ymm accumulators on AVX2 and spilled: ~1/3 of FMA peak). In cache, [256, 2048]: 4 rows x half
   a panel 24.0-26.8 GMAC/s, 6 rows 28.7-30.5 (1 thread, peak 40). Then a group of 4 rows (8
-  accumulators; the generic path's only multi-row tile); remainders 2 rows x 2 half-panels, and
-  1 row x 4 whole panels in one pass (1 row x 4 half-panels, twice, on the generic path).
+  accumulators; the generic path's only multi-row tile), or 3 or 5 rows left in one such tile;
+  remainders 2 rows x 2 half-panels, and 1 row x 4 whole panels in one pass (1 row x 4
+  half-panels, twice, on the generic path).
 The tile shape never changes an output's chain (one fma per k, in order), so every path gives
 the same bits.
 """
@@ -239,6 +240,14 @@ WIDE = isa.vector_bits() >= 512  # the register file numba compiles for: 32 zmm,
 # (2 threads +6%, within noise) and keeps one stream, as do the 1- and 2-row tiles (memory-bound)
 if WIDE:
     _tile_4x2 = _tile(4, 2, PREFETCH_STEPS)
+    # 3, 5 and 6 rows in ONE pass over the item's panels (2 at a time, like 4x2: 12 / 20 / 24
+    # accumulators), where 2x4 + 1x4 or 4x2 + 1x4 read them twice: streamed [6144, 2048], 1 thread,
+    # x one row, 3 rows 1.21 -> 0.90, 5 rows 1.22 -> 1.06, 6 rows 1.37 -> 1.26, 7 rows (4x2 + 3x2)
+    # 1.59 -> 1.50 (a 7x2 tile spills: 2.01). A server batch of 3, 5, 6 or 7 requests and a verify
+    # of that many rows are such products (docs/roofline.md, session 18)
+    _tile_3x2 = _tile(3, 2, PREFETCH_STEPS)
+    _tile_5x2 = _tile(5, 2, PREFETCH_STEPS)
+    _tile_6x2 = _tile(6, 2, PREFETCH_STEPS)
     _tile_8x1 = _tile(8, 1, PREFETCH_STEPS, far=True)
     _tile_2x4 = _tile(2, 4, PREFETCH_STEPS)
     _tile_1x4 = _tile(1, 4, PREFETCH_STEPS)
@@ -249,6 +258,11 @@ else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module d
     _SIX = isa.vector_bits() == 256
     _tile_6x1h = _tile(6, 1, PREFETCH_STEPS, LANES // 2, far=True)
     _tile_4x1h = _tile(4, 1, PREFETCH_STEPS, LANES // 2, far=_SIX)
+    # 3 or 5 rows left after the 6-row groups: one half-panel tile for them (256-bit only), where
+    # 2x2h + 1x4f or 4x1h + 1x4f read the panels twice: streamed [6144, 2048], DFLASH2_ISA=avx2,
+    # 1 thread, x one row: 3 rows 1.56 -> 1.01, 5 rows 1.54 -> 1.19 (7 rows as 4 + 3: no gain)
+    _tile_3x1h = _tile(3, 1, PREFETCH_STEPS, LANES // 2, far=True)
+    _tile_5x1h = _tile(5, 1, PREFETCH_STEPS, LANES // 2, far=True)
     _tile_2x2h = _tile(2, 2, PREFETCH_STEPS, LANES // 2)
     _tile_1x4h = _tile(1, 4, PREFETCH_STEPS, LANES // 2)
     # one row on 256 bits: the whole panel width (<16 x float>, two ymm each) over the item's 4
@@ -262,39 +276,54 @@ else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module d
 # ------------------------------------------------------------------ drivers
 @njit(inline="always")
 def _item_wide(x, panels, scratch, p0):
-    """512-bit tiles: 8x1 over every group of 8 rows (each panel streamed once for them), 4x2
-    over a remaining group of 4, then 2x4, then 1x4. scratch [M, 128] <- the item's padded columns."""
+    """512-bit tiles: 8x1 over every group of 8 rows (each panel streamed once for them); the
+    remaining r < 8 rows in one pass where a tile holds them: r x 2 panels for r = 3..6 (7: 4 + 3),
+    2x4, 1x4. scratch [M, 128] <- the item's padded columns."""
     M = x.shape[0]
     full8 = M - M % 8
     for p in range(ITEM_PANELS):
         for m0 in range(0, full8, 8):
             _tile_8x1(x, m0, panels, p0 + p, 0, scratch, p * PANEL_COLS)
-    full = M - M % 4
-    for half in range(2):
-        for m0 in range(full8, full, 4):
-            _tile_4x2(x, m0, panels, p0 + 2 * half, 0, scratch, half * 2 * PANEL_COLS)
-    m0 = full
-    if M - m0 >= 2:
+    m0, r = full8, M - full8
+    if r >= 3:
+        for half in range(2):
+            at, left = m0, r
+            if left == 7 or left == 4:
+                _tile_4x2(x, at, panels, p0 + 2 * half, 0, scratch, half * 2 * PANEL_COLS)
+                at, left = at + 4, left - 4
+            if left == 3:
+                _tile_3x2(x, at, panels, p0 + 2 * half, 0, scratch, half * 2 * PANEL_COLS)
+            elif left == 5:
+                _tile_5x2(x, at, panels, p0 + 2 * half, 0, scratch, half * 2 * PANEL_COLS)
+            elif left == 6:
+                _tile_6x2(x, at, panels, p0 + 2 * half, 0, scratch, half * 2 * PANEL_COLS)
+    elif r == 2:
         _tile_2x4(x, m0, panels, p0, 0, scratch, 0)
-        m0 += 2
-    if M - m0 == 1:
+    elif r == 1:
         _tile_1x4(x, m0, panels, p0, 0, scratch, 0)
 
 
 @njit(inline="always")
 def _item_narrow(x, panels, scratch, p0):
     """256-bit tiles: per panel and lane half, 6 rows at a time (not on the generic path), then
-    groups of 4; then 2 rows x 2 panels per lane half, and 1 row x 4 whole panels (per lane half
-    on the generic path)."""
+    the 3, 4 or 5 rows left in one tile (3 and 5: not on the generic path; there groups of 4);
+    then 2 rows x 2 panels per lane half, and 1 row x 4 whole panels (per lane half on the
+    generic path)."""
     M = x.shape[0]
     full6 = M - M % 6 if _SIX else 0
-    full = full6 + (M - full6) // 4 * 4
+    odd = M - full6 if _SIX and (M - full6 == 3 or M - full6 == 5) else 0  # rows for a 3- or 5-row tile
+    full = M if odd else full6 + (M - full6) // 4 * 4
     for p in range(ITEM_PANELS):
         for lane0 in range(0, LANES, LANES // 2):
             for m0 in range(0, full6, 6):
                 _tile_6x1h(x, m0, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
-            for m0 in range(full6, full, 4):
-                _tile_4x1h(x, m0, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
+            if odd == 3:
+                _tile_3x1h(x, full6, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
+            elif odd == 5:
+                _tile_5x1h(x, full6, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
+            else:
+                for m0 in range(full6, full, 4):
+                    _tile_4x1h(x, m0, panels, p0 + p, lane0, scratch, p * PANEL_COLS)
     m0 = full
     if M - m0 >= 2:
         for lane0 in range(0, LANES, LANES // 2):

@@ -129,8 +129,8 @@ def step_batch(target, draft, decodings: list, rule=None) -> list:
     t3 = time.perf_counter()
     results = [d.accept(logits, taps) for d, (logits, taps) in zip(decodings, outs)]
     if rule is not None:  # a draft step that fed a prompt's context is not a typical one
-        typical = all(decodings[i]._ctx_n <= decodings[i].Q for i in drafting)
+        backlog = sum(max(0, decodings[i]._ctx_n - decodings[i].Q) for i in drafting)  # context rows past a block
         trimmed = any(decodings[i].kmax < decodings[i].Q - 1 for i in drafting)
-        rule.record(len(drafting), t1 - t0, typical, sum(len(b) for b in blocks), t3 - t2,
-                    sum(len(r.token_ids) for r in results), trimmed)
+        rule.record(len(drafting), t1 - t0, backlog == 0, sum(len(b) for b in blocks), t3 - t2,
+                    sum(len(r.token_ids) for r in results), trimmed, backlog)
     return results
