@@ -116,3 +116,92 @@ def test_rows_go_to_the_confident_request_first():
              SimpleNamespace(confidence=np.full(B - 1, 0.99), q=None)]
     rule.allot([unsure, sure], props)
     assert sure.width.k == B - 1 and unsure.width.k == 0
+
+
+# ---------------------------------------------------------------- the realized rates, on stand-ins
+def flat_rule(B=8, R_max=2, c0=0.010, per_row=0.0005, D=0.002, feed=0.0) -> BatchWidth:
+    """A budget on an injected table: c(r) = c0 + per_row x r, D(n) = n x D, no warm steps."""
+    table = CostTable(c0 + per_row * np.arange(1, R_max * B + 1), 0.0, "injected", feed_s=feed)
+    return BatchWidth(table, B, R_max, draft_costs=[D * n for n in range(1, R_max + 1)], warm_steps=0)
+
+
+def seated(rule, kmax=7):
+    return Seated(kmax=kmax, Bv=1, draft=True, width=rule.seat())
+
+
+def plain_steps(rule, decs, n, seconds):
+    """n plain steps of the batch decs, each `seconds` long, one token per request (recorded as
+    `step_batch` does after a plan that drafted nothing)."""
+    for _ in range(n):
+        rule._R, rule._key, rule._probe = len(decs), None, None
+        rule.record(0, 0.0, True, len(decs), seconds, len(decs))
+
+
+def test_drafted_rate_is_tokens_over_seconds_not_an_average_of_step_rates():
+    """Drafted steps alternate a lucky block (9 tokens in 30 ms: 300 tok/s) and a bad one (2 in
+    60 ms: 33 tok/s); their throughput is 11 / 90 ms = 122 tok/s, under plain steps' 140 tok/s,
+    though the mean of the step rates (167) is over it. The rule must find drafting does not pay
+    (red: an average of per-step ratios, which drafted on)."""
+    rule = flat_rule(R_max=1)
+    decs = [seated(rule)]
+    plain_steps(rule, decs, 1, 1 / 140)
+    for i in range(20):
+        rule._key = (1, 1, 140.0, 1 / 140)  # this step drafts one request (as plan sets it)
+        tokens, seconds = (9, 0.030) if i % 2 else (2, 0.060)
+        rule.record(1, 0.0, True, 8, seconds, tokens)
+    assert rule.gain[1, 1] < 0.95
+    rule.plan(decs)
+    assert not decs[0].width.draft
+
+
+def test_catch_up_rows_are_not_charged_to_drafting_nor_hidden_by_the_model():
+    """A drafted step after a plain run feeds its backlog (40 rows at 1 ms) before proposing;
+    its draft measured 52 ms = 40 + 12 ms of drafting proper, against the table's 2 ms. Its rate
+    counts the 12 ms (6 tokens / 32 ms = 187 tok/s, under plain's 200): no gain. Red: the
+    model's 2 ms (6 / 22 ms = 272 tok/s: gain 1.36) or the whole 52 ms (gain 0.41, would also
+    pass the first check, so the second step, typical, at the same 187 tok/s, must stay ~0.94)."""
+    rule = flat_rule(R_max=1, feed=0.001)
+    decs = [seated(rule)]
+    plain_steps(rule, decs, 3, 1 / 200)
+    rule._key = (1, 1, 200.0, 1 / 200)
+    rule.record(1, 0.052, False, 8, 0.020, 6, backlog=40)
+    assert 0.85 < rule.gain[1, 1] < 1.0
+    rule._key = (1, 1, 200.0, 1 / 200)
+    rule.record(1, 0.012, True, 8, 0.020, 6)
+    assert 0.85 < rule.gain[1, 1] < 1.0
+
+
+def test_one_bad_first_block_does_not_stop_a_request_drafting():
+    """The server's average says drafting pays for a lone request; its first drafted block came
+    with near-zero confidences. It must still draft at its next step (its average moved half way
+    from the server's); red: the first block replacing the prior (then it never drafts again)."""
+    rule = flat_rule(R_max=1)
+    dec = seated(rule)
+    rule.plan([dec])
+    assert dec.width.draft  # the prior: drafting pays
+    rule.allot([dec], [SimpleNamespace(confidence=np.full(7, 1e-4), q=None)])
+    rule.plan([dec])
+    assert dec.width.draft
+
+
+def test_retests_back_off_while_they_do_not_pay():
+    """Two requests whose drafting never pays (the table's costs: a plain step 50 ms for 2
+    tokens; a re-test 90.5 ms for 3): after the first re-tests the share of time they take falls
+    to about PROBE_SHARE / 8 (red: a fixed PROBE_SHARE, ~1.5 % of the plain time)."""
+    from dflash2_numba.decode.batch_width import PROBE_SHARE
+
+    rule = flat_rule(R_max=2, c0=0.010, per_row=0.020, D=0.0005)  # the model: drafting never pays
+    decs = [seated(rule), seated(rule)]
+    probes, steps = [], 20000
+    for step in range(2 * steps):
+        rule.plan(decs)
+        if any(d.width.draft for d in decs):
+            assert rule._probe is not None  # only re-tests draft here
+            rule.record(1, 0.0005, True, 4, 0.090, 3)
+            probes.append(step)
+        else:
+            rule.record(0, 0.0, True, 2, 0.050, 2)
+    assert len(probes) >= 5
+    late = [p for p in probes if p >= steps]
+    share = len(late) * 0.0405 / (steps * 0.050)  # each re-test's extra over a plain step
+    assert 0 < share < PROBE_SHARE / 3, share

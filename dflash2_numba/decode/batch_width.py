@@ -28,12 +28,16 @@ count in c(rows) like everyone's.
 Before drafting (`plan`): n in 0..R requests draft (the ones with the best average survival);
 n = 0 (a plain batched step) unless drafting beats it. Drafting n requests is valued by its
 realized gain at this batch size R where one was measured in the last GAIN_STALE steps
-(committed tokens over measured seconds of such steps, over the same of the plain steps at R;
-exponential averages, so load hits both alike), else by E(N) under the average survival of
-each request's past drafted steps (a new request: the server's average). The first
+(committed tokens over measured seconds of such steps, over the same of the plain steps at R:
+ratios of decayed sums, so load hits both alike; a catch-up step's draft counts without its
+backlog rows, at the table's price per row), else by E(N) under the average survival of each
+request's past drafted steps (a new request starts at the server's average, and its first
+drafted step moves it half way only). The first
 `warm_steps` steps always draft; after a run of plain steps whose time is 1 / PROBE_SHARE x
 what a re-test costs (measured), one request drafts anyway and verifies at least 2 drafts (a
-re-test: the estimates go stale).
+re-test: the estimates go stale); each re-test that commits fewer tokens a second than plain
+steps halves that share (down to PROBE_SHARE / 8: where drafting never pays, as for 4-8
+requests on a CPU, re-tests cost ~0.2 % of the time), one that pays restores it.
 After drafting (`allot`): this step's confidences give S_{r,j}; the N best pairs (a prefix of
 each request, since S_{r,j} falls with j) are verified.
 """
@@ -48,6 +52,7 @@ from .width import AUTO, AdaptiveWidth, CostTable, SurvivalEstimator, costs_for,
 GAIN_STALE = 256  # steps after which a realized gain no longer decides (the model does again)
 RATE_DECAY = 0.9  # per step, of the realized rates' sums (about the last 10 steps of each kind)
 PROBE_SHARE = 0.015  # a re-test may cost up to this share of the plain steps' time since the last
+PROBE_SHARE_MIN = PROBE_SHARE / 8  # ... halved after each re-test that did not pay, down to this
 
 
 def _best_n(scores: np.ndarray, tokens: float, rows: int, D: float, c: np.ndarray) -> tuple[int, float]:
@@ -128,6 +133,7 @@ class BatchWidth:
         self.decay = RATE_DECAY
         self._key: tuple | None = None  # this step drafts: (R, n, E(0), a plain step's seconds)
         self.probe_extra: float | None = None  # measured extra seconds of a re-test step
+        self.probe_share = PROBE_SHARE  # the re-tests' share of plain time now (halved while they do not pay)
         self._plain_step_s = 0.0  # a plain step's estimated seconds (plan)
         self.plain_s = 0.0  # estimated seconds of the plain steps since the last drafted one
 
@@ -172,6 +178,9 @@ class BatchWidth:
             self._add(self.draft_sums, (R, n), tokens, seconds + verify_s)
             self.gain[R, n] = self._rate(self.draft_sums[R, n]) / max(self.plain_rate(R, plain), 1e-12)
             self.gain_step[R, n] = self.steps
+            if self._probe is not None:  # a re-test that did not pay makes the next one wait twice as long
+                paid = tokens / max(seconds + verify_s, 1e-12) > self.plain_rate(R, plain)
+                self.probe_share = PROBE_SHARE if paid else max(PROBE_SHARE_MIN, self.probe_share / 2)
         if 1 <= rows <= self.costs.B:
             self.costs.observe_verify(rows, verify_s)
         if typical and 1 <= drafting <= self.draft_costs.B:
@@ -249,7 +258,7 @@ class BatchWidth:
         probe_cost = self.D(1 + others) - self.D(others) + c[min(rows + 2, len(c)) - 1] - c[rows - 1]
         if self.probe_extra is not None:
             probe_cost = max(probe_cost, self.probe_extra)
-        if self.plain_run > self.probe_every[self.probe_level] and self.plain_s * PROBE_SHARE >= probe_cost and \
+        if self.plain_run > self.probe_every[self.probe_level] and self.plain_s * self.probe_share >= probe_cost and \
                 _best_n(np.ones(self.B - 1), tokens, rows, self.D(1 + others), c)[0] > 0:
             # re-test: the request that drafted least recently, at least 2 drafts verified
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
