@@ -36,8 +36,8 @@ drafted step moves it half way only). The first
 `warm_steps` steps always draft; after a run of plain steps whose time is 1 / PROBE_SHARE x
 what a re-test costs (measured), one request drafts anyway and verifies at least 2 drafts (a
 re-test: the estimates go stale); each re-test that commits fewer tokens a second than plain
-steps halves that share (down to PROBE_SHARE / 8: where drafting never pays, as for 4-8
-requests on a CPU, re-tests cost ~0.2 % of the time), one that pays restores it.
+steps halves that share at its batch size (down to PROBE_SHARE / 8: where drafting never
+pays, as for 4-8 requests on a CPU, re-tests cost ~0.2 % of the time), one that pays restores it.
 After drafting (`allot`): this step's confidences give S_{r,j}; the N best pairs (a prefix of
 each request, since S_{r,j} falls with j) are verified.
 """
@@ -133,7 +133,7 @@ class BatchWidth:
         self.decay = RATE_DECAY
         self._key: tuple | None = None  # this step drafts: (R, n, E(0), a plain step's seconds)
         self.probe_extra: float | None = None  # measured extra seconds of a re-test step
-        self.probe_share = PROBE_SHARE  # the re-tests' share of plain time now (halved while they do not pay)
+        self.probe_share: dict[int, float] = {}  # R -> the re-tests' share of plain time (halved while they do not pay)
         self._plain_step_s = 0.0  # a plain step's estimated seconds (plan)
         self.plain_s = 0.0  # estimated seconds of the plain steps since the last drafted one
 
@@ -180,7 +180,8 @@ class BatchWidth:
             self.gain_step[R, n] = self.steps
             if self._probe is not None:  # a re-test that did not pay makes the next one wait twice as long
                 paid = tokens / max(seconds + verify_s, 1e-12) > self.plain_rate(R, plain)
-                self.probe_share = PROBE_SHARE if paid else max(PROBE_SHARE_MIN, self.probe_share / 2)
+                share = self.probe_share.get(R, PROBE_SHARE)
+                self.probe_share[R] = PROBE_SHARE if paid else max(PROBE_SHARE_MIN, share / 2)
         if 1 <= rows <= self.costs.B:
             self.costs.observe_verify(rows, verify_s)
         if typical and 1 <= drafting <= self.draft_costs.B:
@@ -239,11 +240,14 @@ class BatchWidth:
         surv = [(d, s, s.mean_S[1:d.budget_kmax() + 1].tolist()) for d, s in able]  # [kmax] each
         surv.sort(key=lambda dss: -sum(dss[2]))
         able = [(d, s) for d, s, _ in surv]
-        best_n, best, scores = 0, plain, []
+        best_n, best, scores, whole = 0, plain, [], True
         for n in range(1, len(able) + 1):
             scores = sorted(scores + surv[n - 1][2], reverse=True)  # the first n requests' positions, best first
+            # a gain was measured on whole blocks: a request near its budget's end (fewer drafts
+            # to verify) is valued by the model (a 2-row step there cost 3x a plain one for 1 token)
+            whole = whole and len(surv[n - 1][2]) >= self.B - 1
             g = self.gain.get((R, n))
-            if g is not None and self.steps - self.gain_step[R, n] <= GAIN_STALE:
+            if g is not None and whole and self.steps - self.gain_step[R, n] <= GAIN_STALE:
                 v = g * plain
             else:
                 v = _best_n(scores, tokens, rows, self.D(n + others), c)[1]
@@ -258,7 +262,7 @@ class BatchWidth:
         probe_cost = self.D(1 + others) - self.D(others) + c[min(rows + 2, len(c)) - 1] - c[rows - 1]
         if self.probe_extra is not None:
             probe_cost = max(probe_cost, self.probe_extra)
-        if self.plain_run > self.probe_every[self.probe_level] and self.plain_s * self.probe_share >= probe_cost and \
+        if self.plain_run > self.probe_every[self.probe_level] and self.plain_s * self.probe_share.get(R, PROBE_SHARE) >= probe_cost and \
                 _best_n(np.ones(self.B - 1), tokens, rows, self.D(1 + others), c)[0] > 0:
             # re-test: the request that drafted least recently, at least 2 drafts verified
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
