@@ -29,7 +29,7 @@ the result differs from the row-layout kernel (a reassociated vector sum) only b
 Tiles are sized per register file (kernels/isa.py, what numba compiles for):
 - 512-bit (32 zmm): <16 x float> vectors; rows in groups of 8 against 1 panel (8 x 32
   accumulators = 16 zmm), then the r < 8 rows left in one pass where a tile holds them: r rows
-  against 2 panels for r = 3..6 (7: 4 + 3), 2 rows x 4 panels, 1 row x 4 panels. The 8x1 tile reads each panel from memory once for 8 rows; with 4x2
+  against 2 panels for r = 3..6 (7: 4 + 3), 2 rows x 4 panels, 1 row x 2 panels twice. The 8x1 tile reads each panel from memory once for 8 rows; with 4x2
   tiles only (the earlier choice: on cache-resident shapes 4x2 had beaten 8x1) the second group
   of 4 rows re-read the panels from L2 after the first had streamed them, so reading and FMAs
   overlapped less: streamed [2048, 2048], 8 rows, three alternating runs each, 1 thread
@@ -42,7 +42,7 @@ Tiles are sized per register file (kernels/isa.py, what numba compiles for):
   ymm accumulators on AVX2 and spilled: ~1/3 of FMA peak). In cache, [256, 2048]: 4 rows x half
   a panel 24.0-26.8 GMAC/s, 6 rows 28.7-30.5 (1 thread, peak 40). Then a group of 4 rows (8
   accumulators; the generic path's only multi-row tile), or 3 or 5 rows left in one such tile;
-  remainders 2 rows x 2 half-panels, and 1 row x 4 whole panels in one pass (1 row x 4
+  remainders 2 rows x 2 half-panels, and 1 row x 2 whole panels, twice (1 row x 4
   half-panels, twice, on the generic path).
 The tile shape never changes an output's chain (one fma per k, in order), so every path gives
 the same bits.
@@ -250,7 +250,10 @@ if WIDE:
     _tile_6x2 = _tile(6, 2, PREFETCH_STEPS)
     _tile_8x1 = _tile(8, 1, PREFETCH_STEPS, far=True)
     _tile_2x4 = _tile(2, 4, PREFETCH_STEPS)
-    _tile_1x4 = _tile(1, 4, PREFETCH_STEPS)
+    # one row: 2 panels a pass, twice per item (2 streams, 4 zmm accumulators); the item's 4
+    # panels in one pass read slower on Zen 4: [2048, 2048] streamed, 1 / 2 threads 367 / 332 ->
+    # 321 / 276 us (docs/roofline.md, session 18)
+    _tile_1x2 = _tile(1, 2, PREFETCH_STEPS)
 else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module docstring)
     # the 6-row tile and `far` on the 256-bit register file only: on the generic path (SSE2, 16 xmm,
     # 2 per <8 x float>) every tile spills and the products are compute-bound; measured there,
@@ -265,12 +268,14 @@ else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module d
     _tile_5x1h = _tile(5, 1, PREFETCH_STEPS, LANES // 2, far=True)
     _tile_2x2h = _tile(2, 2, PREFETCH_STEPS, LANES // 2)
     _tile_1x4h = _tile(1, 4, PREFETCH_STEPS, LANES // 2)
-    # one row on 256 bits: the whole panel width (<16 x float>, two ymm each) over the item's 4
-    # panels in ONE pass, each 64-byte line read whole, 4 streams; the half-panel tile read each
-    # line in two passes (the second from L2). Memory-bound, so its spills cost nothing:
+    # one row on 256 bits: the whole panel width (<16 x float>, two ymm each), each 64-byte line
+    # read whole; the half-panel tile read each line in two passes (the second from L2):
     # streamed [2048, 2048], DFLASH2_ISA=avx2, Zen 5, 1 thread, in-process: 22-28 -> 33.8 GB/s
-    # (docs/amd_epyc_zen5.md, session 13). Not on the generic path (SSE2: 4 xmm per vector)
-    _tile_1x4f = _tile(1, 4, PREFETCH_STEPS)
+    # with the item's 4 panels in one pass (docs/amd_epyc_zen5.md, session 13). 2 panels a pass,
+    # twice (2 streams, 8 ymm accumulators: no spill) read faster on Zen 4: 1 / 2 threads
+    # 352-365 / 257-308 -> 311-316 / 250-268 us (session 18). Not on the generic path (SSE2:
+    # 4 xmm per vector)
+    _tile_1x2f = _tile(1, 2, PREFETCH_STEPS)
 
 
 # ------------------------------------------------------------------ drivers
@@ -278,7 +283,7 @@ else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module d
 def _item_wide(x, panels, scratch, p0):
     """512-bit tiles: 8x1 over every group of 8 rows (each panel streamed once for them); the
     remaining r < 8 rows in one pass where a tile holds them: r x 2 panels for r = 3..6 (7: 4 + 3),
-    2x4, 1x4. scratch [M, 128] <- the item's padded columns."""
+    2x4, 1x2 twice. scratch [M, 128] <- the item's padded columns."""
     M = x.shape[0]
     full8 = M - M % 8
     for p in range(ITEM_PANELS):
@@ -300,15 +305,16 @@ def _item_wide(x, panels, scratch, p0):
     elif r == 2:
         _tile_2x4(x, m0, panels, p0, 0, scratch, 0)
     elif r == 1:
-        _tile_1x4(x, m0, panels, p0, 0, scratch, 0)
+        _tile_1x2(x, m0, panels, p0, 0, scratch, 0)
+        _tile_1x2(x, m0, panels, p0 + 2, 0, scratch, 2 * PANEL_COLS)
 
 
 @njit(inline="always")
 def _item_narrow(x, panels, scratch, p0):
     """256-bit tiles: per panel and lane half, 6 rows at a time (not on the generic path), then
     the 3, 4 or 5 rows left in one tile (3 and 5: not on the generic path; there groups of 4);
-    then 2 rows x 2 panels per lane half, and 1 row x 4 whole panels (per lane half on the
-    generic path)."""
+    then 2 rows x 2 panels per lane half, and 1 row x 2 whole panels twice (1 row x 4 half-panels
+    per lane half on the generic path)."""
     M = x.shape[0]
     full6 = M - M % 6 if _SIX else 0
     odd = M - full6 if _SIX and (M - full6 == 3 or M - full6 == 5) else 0  # rows for a 3- or 5-row tile
@@ -332,7 +338,8 @@ def _item_narrow(x, panels, scratch, p0):
         m0 += 2
     if M - m0 == 1:
         if _SIX:
-            _tile_1x4f(x, m0, panels, p0, 0, scratch, 0)
+            _tile_1x2f(x, m0, panels, p0, 0, scratch, 0)
+            _tile_1x2f(x, m0, panels, p0 + 2, 0, scratch, 2 * PANEL_COLS)
         else:
             for lane0 in range(0, LANES, LANES // 2):
                 _tile_1x4h(x, m0, panels, p0, lane0, scratch, 0)
