@@ -231,3 +231,20 @@ def test_a_budget_end_is_valued_by_the_model_not_the_whole_block_gain():
     dec.kmax = 1
     rule.plan([dec])
     assert not dec.width.draft
+
+
+def test_an_aged_gain_that_paid_is_measured_again_at_once():
+    """Drafting paid 2.25x at this batch size when last measured, 300 steps ago (other sizes ran
+    since); the model reads a low survival and says plain. The rule re-tests now (red: the
+    model deciding alone, which kept a one-client server target-only for whole requests). An
+    aged gain under 1 does not (red: re-testing on every aged gain)."""
+    for gain_tokens, expect in ((9, True), (1, False)):
+        rule = flat_rule(R_max=1, c0=0.010, per_row=0.005, D=0.010)
+        dec = seated(rule)
+        dec.width.mean_S[1:] = 0.01  # the model: drafting does not pay
+        plain_steps(rule, [dec], 1, 0.015)
+        rule._key = (1, 1, 1 / 0.015, 0.015)
+        rule.record(1, 0.010, True, 8, 0.050, gain_tokens)  # 9 tokens in 60 ms: 2.25x; 1: 0.25x
+        rule.steps += 300  # the gain has aged
+        rule.plan([dec])
+        assert dec.width.draft is expect and (rule._probe is not None) is expect

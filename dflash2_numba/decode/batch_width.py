@@ -35,7 +35,8 @@ request's past drafted steps (a new request starts at the server's average, and 
 drafted step moves it half way only). The first
 `warm_steps` steps always draft; after a run of plain steps whose time is 1 / PROBE_SHARE x
 what a re-test costs (measured), one request drafts anyway and verifies at least 2 drafts (a
-re-test: the estimates go stale); each re-test that commits fewer tokens a second than plain
+re-test: the estimates go stale; at once where one request drafting paid when last measured
+at this R, 256 steps or more ago); each re-test that commits fewer tokens a second than plain
 steps halves that share at its batch size (down to PROBE_SHARE / 8: where drafting never
 pays, as for 4-8 requests on a CPU, re-tests cost ~0.2 % of the time), one that pays restores it.
 After drafting (`allot`): this step's confidences give S_{r,j}; the N best pairs (a prefix of
@@ -240,22 +241,31 @@ class BatchWidth:
         surv = [(d, s, s.mean_S[1:d.budget_kmax() + 1].tolist()) for d, s in able]  # [kmax] each
         surv.sort(key=lambda dss: -sum(dss[2]))
         able = [(d, s) for d, s, _ in surv]
-        best_n, best, scores, whole = 0, plain, [], True
+        best_n, best, scores, whole, retest = 0, plain, [], True, False
         for n in range(1, len(able) + 1):
             scores = sorted(scores + surv[n - 1][2], reverse=True)  # the first n requests' positions, best first
             # a gain was measured on whole blocks: a request near its budget's end (fewer drafts
             # to verify) is valued by the model (a 2-row step there cost 3x a plain one for 1 token)
             whole = whole and len(surv[n - 1][2]) >= self.B - 1
             g = self.gain.get((R, n))
-            if g is not None and whole and self.steps - self.gain_step[R, n] <= GAIN_STALE:
+            fresh = g is not None and self.steps - self.gain_step[R, n] <= GAIN_STALE
+            if fresh and whole:
                 v = g * plain
             else:
                 v = _best_n(scores, tokens, rows, self.D(n + others), c)[1]
+                # one request drafting paid when last measured at this size, long ago: measure
+                # it again now rather than trust the model's survival (read low: a one-client
+                # server decoded target-only for whole requests after the other sizes' steps
+                # had aged its gain)
+                retest = retest or (n == 1 and whole and g is not None and not fresh and g > 1.0)
             if v > best:
                 best_n, best = n, v
         if best_n > 0:
             self.probe_level = 0
             self._draft(able, best_n, R, plain)
+            return
+        if retest:
+            self._draft(able[:1], 1, R, plain, probe=True)
             return
         self.plain_run += 1
         self.plain_s += tokens / max(plain, 1e-12)  # this plain step's estimated seconds
