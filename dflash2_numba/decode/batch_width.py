@@ -171,10 +171,9 @@ class BatchWidth:
             # a context catch-up (the prompt's, or a run of plain steps' backlog) is the price of
             # resuming, not of drafting: such a step counts its draft without the backlog's rows
             # (at the table's price per row), or at the draft's usual cost where that is unknown
-            seconds = draft_s
-            if not typical:
-                feed = self.costs.feed_s
-                seconds = max(0.0, draft_s - backlog * feed) if feed > 0 and backlog else self.D(drafting)
+            seconds = draft_s if typical else self.costs.without_backlog(draft_s, backlog)
+            if seconds is None:
+                seconds = self.D(drafting)
             R, n, plain, _ = self._key
             self._add(self.draft_sums, (R, n), tokens, seconds + verify_s)
             self.gain[R, n] = self._rate(self.draft_sums[R, n]) / max(self.plain_rate(R, plain), 1e-12)

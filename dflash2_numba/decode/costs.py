@@ -90,6 +90,14 @@ class CostTable:
             return self.draft_s
         return d * (self.draft_s / self.sweep_draft_s)
 
+    def without_backlog(self, seconds: float, rows: int) -> float | None:
+        """A draft step's seconds without the `rows` context rows it fed past one block (a prompt,
+        or a run of plain steps' backlog: the price of resuming, not of drafting), at feed_s a
+        row; None where that price is unknown (feed_s 0)."""
+        if rows <= 0:
+            return seconds
+        return max(0.0, seconds - rows * self.feed_s) if self.feed_s > 0 else None
+
     def draft_choices(self, B: int) -> list[int]:
         """The runtime draft blocks to choose from: the timed smaller ones and B."""
         return sorted({q for q in self.draft_rows if 2 <= q < B} | {int(B)})

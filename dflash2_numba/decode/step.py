@@ -354,8 +354,8 @@ class Decoding:
         seconds = self._t1 - self._t0
         if not catch_up:
             return seconds
-        feed = getattr(getattr(self.width, "costs", None), "feed_s", 0.0)
-        return max(0.0, seconds - (self._ctx_n - self.Q) * feed) if feed > 0 else None
+        costs = getattr(self.width, "costs", None)
+        return None if costs is None else costs.without_backlog(seconds, self._ctx_n - self.Q)
 
     # ---------------------------------------------------------------- committing
     def _commit(self, new: list[int], accepted: int) -> StepResult:

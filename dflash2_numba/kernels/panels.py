@@ -29,7 +29,8 @@ the result differs from the row-layout kernel (a reassociated vector sum) only b
 Tiles are sized per register file (kernels/isa.py, what numba compiles for):
 - 512-bit (32 zmm): <16 x float> vectors; rows in groups of 8 against 1 panel (8 x 32
   accumulators = 16 zmm), then the r < 8 rows left in one pass where a tile holds them: r rows
-  against 2 panels for r = 3..6 (7: 4 + 3), 2 rows x 4 panels, 1 row x 2 panels twice. The 8x1 tile reads each panel from memory once for 8 rows; with 4x2
+  against 2 panels for r = 3..6 (7: 4 + 3), 2 rows x 4 panels, 1 row x 2 panels twice. The
+  8x1 tile reads each panel from memory once for 8 rows; with 4x2
   tiles only (the earlier choice: on cache-resident shapes 4x2 had beaten 8x1) the second group
   of 4 rows re-read the panels from L2 after the first had streamed them, so reading and FMAs
   overlapped less: streamed [2048, 2048], 8 rows, three alternating runs each, 1 thread
@@ -233,6 +234,15 @@ def _tile(R: int, C: int, prefetch_steps: int = 0, V: int = LANES, far: bool = F
 
 
 WIDE = isa.vector_bits() >= 512  # the register file numba compiles for: 32 zmm, or 16 ymm / xmm
+# one row, both register files: the whole panel width (<16 x float>: one zmm, or two ymm), each
+# 64-byte line read whole, 2 panels a pass and twice per item (2 streams; 4 zmm / 8 ymm
+# accumulators, no spill). The half-panel tile had read each line in two passes (the second from
+# L2): DFLASH2_ISA=avx2, Zen 5, 1 thread, 22-28 -> 33.8 GB/s with the item's 4 panels in one pass
+# (docs/amd_epyc_zen5.md, session 13); 2 panels a pass, twice, read faster again on Zen 4
+# ([2048, 2048] streamed, 1 / 2 threads: AVX2 352-365 / 257-308 -> 311-316 / 250-268 us,
+# 512-bit 367 / 332 -> 321 / 276 us; docs/roofline.md, session 18). Not used on the generic
+# path (SSE2: 4 xmm per vector)
+_tile_1x2 = _tile(1, 2, PREFETCH_STEPS)
 # `far` (prefetch the next panels too) where a panel is read by several passes or by 8 rows:
 # streamed [2048, 2048], alternating processes (docs/roofline.md, session 8), 8 rows: 512-bit
 # 1 thread -7%, 2 threads -9%; 256-bit with the 6-row tile 1 thread -10..-20%, 2 threads -3..-10%.
@@ -250,10 +260,6 @@ if WIDE:
     _tile_6x2 = _tile(6, 2, PREFETCH_STEPS)
     _tile_8x1 = _tile(8, 1, PREFETCH_STEPS, far=True)
     _tile_2x4 = _tile(2, 4, PREFETCH_STEPS)
-    # one row: 2 panels a pass, twice per item (2 streams, 4 zmm accumulators); the item's 4
-    # panels in one pass read slower on Zen 4: [2048, 2048] streamed, 1 / 2 threads 367 / 332 ->
-    # 321 / 276 us (docs/roofline.md, session 18)
-    _tile_1x2 = _tile(1, 2, PREFETCH_STEPS)
 else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module docstring)
     # the 6-row tile and `far` on the 256-bit register file only: on the generic path (SSE2, 16 xmm,
     # 2 per <8 x float>) every tile spills and the products are compute-bound; measured there,
@@ -268,14 +274,6 @@ else:  # half-panel tiles of <8 x float>: 12 or 8 accumulators (see the module d
     _tile_5x1h = _tile(5, 1, PREFETCH_STEPS, LANES // 2, far=True)
     _tile_2x2h = _tile(2, 2, PREFETCH_STEPS, LANES // 2)
     _tile_1x4h = _tile(1, 4, PREFETCH_STEPS, LANES // 2)
-    # one row on 256 bits: the whole panel width (<16 x float>, two ymm each), each 64-byte line
-    # read whole; the half-panel tile read each line in two passes (the second from L2):
-    # streamed [2048, 2048], DFLASH2_ISA=avx2, Zen 5, 1 thread, in-process: 22-28 -> 33.8 GB/s
-    # with the item's 4 panels in one pass (docs/amd_epyc_zen5.md, session 13). 2 panels a pass,
-    # twice (2 streams, 8 ymm accumulators: no spill) read faster on Zen 4: 1 / 2 threads
-    # 352-365 / 257-308 -> 311-316 / 250-268 us (session 18). Not on the generic path (SSE2:
-    # 4 xmm per vector)
-    _tile_1x2f = _tile(1, 2, PREFETCH_STEPS)
 
 
 # ------------------------------------------------------------------ drivers
@@ -338,8 +336,8 @@ def _item_narrow(x, panels, scratch, p0):
         m0 += 2
     if M - m0 == 1:
         if _SIX:
-            _tile_1x2f(x, m0, panels, p0, 0, scratch, 0)
-            _tile_1x2f(x, m0, panels, p0 + 2, 0, scratch, 2 * PANEL_COLS)
+            _tile_1x2(x, m0, panels, p0, 0, scratch, 0)
+            _tile_1x2(x, m0, panels, p0 + 2, 0, scratch, 2 * PANEL_COLS)
         else:
             for lane0 in range(0, LANES, LANES // 2):
                 _tile_1x4h(x, m0, panels, p0, lane0, scratch, 0)
