@@ -76,9 +76,11 @@ def test_batched_auto_greedy_identity_and_seeded_solo(pair, kind, costs):
     if costs == "expensive":  # plain batched steps only: the warm steps draft and verify no draft, then none
         assert rule.warm_left == 0 and rows == [1] * len(rows)
         assert all(d.stats.drafted_steps <= 3 for d in greedy)
-    elif costs == "free":  # every drafted step verifies the whole block the budget allows
+    elif costs == "free":  # past the 3 warm steps (one request drafts in each), every step
+        # verifies the whole block the budget allows
         for d in greedy:
-            assert all(r == min(B, left) for r, left in zip(d.stats.block_rows, budget_left(d)))
+            assert all(r == min(B, left) for r, left in list(zip(d.stats.block_rows, budget_left(d)))[3:])
+        assert sum(d.stats.block_rows[0] > 1 for d in greedy) == 1
     else:
         assert max(rows) > 1  # it did speculate
     if costs != "expensive":
@@ -248,3 +250,19 @@ def test_an_aged_gain_that_paid_is_measured_again_at_once():
         rule.steps += 300  # the gain has aged
         rule.plan([dec])
         assert dec.width.draft is expect and (rule._probe is not None) is expect
+
+
+def test_warm_steps_draft_one_request_not_the_whole_batch():
+    """The first steps draft to start the statistics, whatever the batch: with 8 requests that
+    is one request drafting, not 8 (a first burst of 8 on the x8 pair at 1 thread drafted all
+    8 three times, each step 6x a plain one). Red: the warm steps seating every request."""
+    B, R = 8, 8
+    table = CostTable(0.010 + 0.0005 * np.arange(1, R * B + 1), 0.0, "injected")
+    rule = BatchWidth(table, B, R, draft_costs=[0.002 * n for n in range(1, R + 1)], warm_steps=3)
+    decs = [seated(rule) for _ in range(R)]
+    drafting = []
+    for _ in range(3):
+        rule.plan(decs)
+        drafting.append(sum(d.width.draft for d in decs))
+        rule.record(drafting[-1], 0.002, True, R + 2, 0.012, R + 1)
+    assert drafting == [1, 1, 1] and rule.warm_left == 0

@@ -32,8 +32,8 @@ realized gain at this batch size R where one was measured in the last GAIN_STALE
 ratios of decayed sums, so load hits both alike; a catch-up step's draft counts without its
 backlog rows, at the table's price per row), else by E(N) under the average survival of each
 request's past drafted steps (a new request starts at the server's average, and its first
-drafted step moves it half way only). The first
-`warm_steps` steps always draft; after a run of plain steps whose time is 1 / PROBE_SHARE x
+drafted step moves it half way only). In the first
+`warm_steps` steps one request always drafts; after a run of plain steps whose time is 1 / PROBE_SHARE x
 what a re-test costs (measured), one request drafts anyway and verifies at least 2 drafts (a
 re-test: the estimates go stale; at once where one request drafting paid when last measured
 at this R, 256 steps or more ago); each re-test that commits fewer tokens a second than plain
@@ -231,9 +231,10 @@ class BatchWidth:
         self._plain_step_s = self.D(others) + c[rows - 1]
         plain = tokens / max(self._plain_step_s, 1e-12)  # E(0): a plain batched step
         R = len(decodings)
-        if self.warm_left > 0:  # statistics to start from
+        if self.warm_left > 0:  # statistics to start from, from ONE request: a first burst of
+            # 8 requests all drafting cost 6x a plain step, three times (x8 pair, 1 thread)
             self.warm_left -= 1
-            self._draft(able, len(able), R, plain)
+            self._draft(able, 1, R, plain)
             return
         # requests ranked by their average survival: the n best draft. Drafting n is valued by
         # its realized gain at this batch size when it has one, else by the model
