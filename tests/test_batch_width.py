@@ -122,9 +122,11 @@ def test_rows_go_to_the_confident_request_first():
 
 # ---------------------------------------------------------------- the realized rates, on stand-ins
 def flat_rule(B=8, R_max=2, c0=0.010, per_row=0.0005, D=0.002, feed=0.0) -> BatchWidth:
-    """A budget on an injected table: c(r) = c0 + per_row x r, D(n) = n x D, no warm steps."""
+    """A budget on an injected table: c(r) = c0 + per_row x r, D(n) = n x D, no warm steps (nor a
+    lone request's)."""
     table = CostTable(c0 + per_row * np.arange(1, R_max * B + 1), 0.0, "injected", feed_s=feed)
-    return BatchWidth(table, B, R_max, draft_costs=[D * n for n in range(1, R_max + 1)], warm_steps=0)
+    return BatchWidth(table, B, R_max, draft_costs=[D * n for n in range(1, R_max + 1)], warm_steps=0,
+                      alone_warm_steps=0)
 
 
 def seated(rule, kmax=7):
@@ -266,3 +268,45 @@ def test_warm_steps_draft_one_request_not_the_whole_batch():
         drafting.append(sum(d.width.draft for d in decs))
         rule.record(drafting[-1], 0.002, True, R + 2, 0.012, R + 1)
     assert drafting == [1, 1, 1] and rule.warm_left == 0
+
+
+def test_a_lone_request_is_not_held_plain_by_the_previous_ones_gain():
+    """One client: a request whose drafts did not pay leaves a realized gain under 1 at one
+    request; the next request alone still drafts its first 3 steps (how well the draft predicts
+    is a property of the prompt), and where drafts cannot pay even when all accepted it does
+    not. Red: the previous request's gain deciding (the next request plain from its first step)."""
+    rule = flat_rule(R_max=1)
+    rule.alone_warm_steps = 3
+    bad = seated(rule)
+    plain_steps(rule, [bad], 2, 1 / 140)
+    for _ in range(10):  # drafted steps of 2 tokens in 60 ms: 33 tok/s against plain 140
+        rule._key = (1, 1, 140.0, 1 / 140)
+        rule.record(1, 0.0, True, 8, 0.060, 2)
+    bad.width.alone_warm = 0
+    rule.plan([bad])
+    assert rule.gain[1, 1] < 0.5 and not bad.width.draft
+    new = seated(rule)
+    drafted = []
+    for _ in range(4):
+        rule.plan([new])
+        drafted.append(new.width.draft)
+        rule.record(1, 0.0, True, 8, 0.060, 2)
+    assert drafted == [True, True, True, False]
+    dear = flat_rule(R_max=1, c0=0.0, per_row=0.050)  # every row costs a plain step: drafting cannot pay
+    dear.alone_warm_steps = 3
+    lone = seated(dear)
+    dear.plan([lone])
+    assert not lone.width.draft
+
+
+def test_no_retest_where_drafts_always_accepted_cannot_pay():
+    """Two requests, every row as dear as a plain step per token (c(r) = 20 ms x r): even a
+    block whose drafts are all accepted commits fewer tokens a second than a plain step, so
+    the rule never re-tests (red: the check valuing a plain step with a draft's cost added,
+    which let a re-test through every ~1.5 % of the plain time)."""
+    rule = flat_rule(R_max=2, c0=0.0, per_row=0.020, D=0.002)
+    decs = [seated(rule), seated(rule)]
+    for _ in range(5000):
+        rule.plan(decs)
+        assert not any(d.width.draft for d in decs)
+        rule.record(0, 0.0, True, 2, 0.040, 2)

@@ -33,8 +33,11 @@ ratios of decayed sums, so load hits both alike; a catch-up step's draft counts 
 backlog rows, at the table's price per row), else by E(N) under the average survival of each
 request's past drafted steps (a new request starts at the server's average, and its first
 drafted step moves it half way only). In the first
-`warm_steps` steps one request always drafts; after a run of plain steps whose time is 1 / PROBE_SHARE x
-what a re-test costs (measured), one request drafts anyway and verifies at least 2 drafts (a
+`warm_steps` steps one request always drafts, and a request alone in the batch drafts its
+first `alone_warm_steps` steps there whatever the one-request gain (measured on the requests
+before it) says: with one client, how well the draft predicts is each prompt's. After a run of
+plain steps whose time is 1 / PROBE_SHARE x what a re-test costs (measured), and where drafts
+always accepted could pay, one request drafts anyway and verifies at least 2 drafts (a
 re-test: the estimates go stale; at once where one request drafting paid when last measured
 at this R, 256 steps or more ago); each re-test that commits fewer tokens a second than plain
 steps halves that share at its batch size (down to PROBE_SHARE / 8: where drafting never
@@ -87,6 +90,7 @@ class _Seat:
         self.k = 0  # this step: drafts to verify (allot)
         self.buckets = np.zeros(0, np.int64)
         self.last_drafted = 0  # step counter of this request's last drafted step
+        self.alone_warm = rule.alone_warm_steps  # its first steps alone in the batch draft (plan)
 
     def draft_now(self, kmax: int) -> bool:
         return self.draft
@@ -106,8 +110,10 @@ class BatchWidth:
     an injected table stays as given)."""
 
     def __init__(self, costs: CostTable, B: int, max_running: int, draft_costs=None, warm_steps: int = 3,
-                 probe_every: tuple[int, ...] = (2, 4, 8, 16, 24), mean_weight: float = 0.25, online: bool = True):
+                 probe_every: tuple[int, ...] = (2, 4, 8, 16, 24), mean_weight: float = 0.25, online: bool = True,
+                 alone_warm_steps: int = 3):
         self.costs, self.B, self.max_running, self.online = costs, int(B), int(max_running), online
+        self.alone_warm_steps = int(alone_warm_steps)
         c = costs.verify_s
         if draft_costs is None:  # one draft block scaled like the target's cost of n blocks of rows
             base = c[min(self.B, len(c)) - 1]
@@ -236,6 +242,9 @@ class BatchWidth:
             self.warm_left -= 1
             self._draft(able, 1, R, plain)
             return
+        if R == 1 and self._alone_warm(able[0], tokens, rows, c):
+            self._draft(able, 1, R, plain)
+            return
         # requests ranked by their average survival: the n best draft. Drafting n is valued by
         # its realized gain at this batch size when it has one, else by the model
         surv = [(d, s, s.mean_S[1:d.budget_kmax() + 1].tolist()) for d, s in able]  # [kmax] each
@@ -273,11 +282,34 @@ class BatchWidth:
         if self.probe_extra is not None:
             probe_cost = max(probe_cost, self.probe_extra)
         if self.plain_run > self.probe_every[self.probe_level] and self.plain_s * self.probe_share.get(R, PROBE_SHARE) >= probe_cost and \
-                _best_n(np.ones(self.B - 1), tokens, rows, self.D(1 + others), c)[0] > 0:
+                self._could_pay(tokens, rows, others, c):
             # re-test: the request that drafted least recently, at least 2 drafts verified
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
             d, s = min(able, key=lambda ds: ds[1].last_drafted)
             self._draft([(d, s)], 1, R, plain, probe=True)
+
+    def _could_pay(self, tokens: float, rows: int, others: int, c) -> bool:
+        """Whether one more request drafting, its drafts all accepted, would beat a plain step (the
+        draft counted: valued after drafting, `_best_n` takes it as spent)."""
+        best = _best_n(np.ones(self.B - 1), tokens, rows, self.D(1 + others), c)[1]
+        return best > tokens / max(self.D(others) + c[rows - 1], 1e-12)
+
+    def _alone_warm(self, ds: tuple, tokens: float, rows: int, c) -> bool:
+        """A request alone in the batch drafts its first `alone_warm_steps` steps there (where
+        drafts always accepted could pay), whatever the one-request gain says: that gain was
+        measured on the requests before it, and how well a draft predicts is a property of the
+        prompt (one client, x8 pair, 1 thread: after two prompts the draft predicted badly, the
+        next six requests ran target-only). Its steps then join that gain's sums (dropping the
+        earlier requests' sums instead measured worse: a request's first blocks, on a short
+        context, are its weakest)."""
+        d, s = ds
+        if s.alone_warm <= 0 or d.budget_kmax() < self.B - 1:
+            return False
+        if not self._could_pay(tokens, rows, 0, c):
+            s.alone_warm = 0
+            return False
+        s.alone_warm -= 1
+        return True
 
     def _draft(self, able: list, n: int, R: int, plain: float, probe: bool = False) -> None:
         """The first n of `able` draft this step (`probe`: a re-test, at least 2 drafts verified)."""
