@@ -273,8 +273,10 @@ def test_warm_steps_draft_one_request_not_the_whole_batch():
 def test_a_lone_request_is_not_held_plain_by_the_previous_ones_gain():
     """One client: a request whose drafts did not pay leaves a realized gain under 1 at one
     request; the next request alone still drafts its first 3 steps (how well the draft predicts
-    is a property of the prompt), and where drafts cannot pay even when all accepted it does
-    not. Red: the previous request's gain deciding (the next request plain from its first step)."""
+    is a property of the prompt), but not while others are about to join (a burst's first
+    request, the rest prefilling), nor where drafts cannot pay even when all accepted. Red: the
+    previous request's gain deciding (the next request plain from its first step); warm steps
+    while others join."""
     rule = flat_rule(R_max=1)
     rule.alone_warm_steps = 3
     bad = seated(rule)
@@ -292,6 +294,11 @@ def test_a_lone_request_is_not_held_plain_by_the_previous_ones_gain():
         drafted.append(new.width.draft)
         rule.record(1, 0.0, True, 8, 0.060, 2)
     assert drafted == [True, True, True, False]
+    joined = seated(rule)  # alone only until the others of a burst finish their prefill
+    rule.joining = 3
+    rule.plan([joined])
+    assert not joined.width.draft and joined.width.alone_warm == 3
+    rule.joining = 0
     dear = flat_rule(R_max=1, c0=0.0, per_row=0.050)  # every row costs a plain step: drafting cannot pay
     dear.alone_warm_steps = 3
     lone = seated(dear)

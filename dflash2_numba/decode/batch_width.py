@@ -35,7 +35,8 @@ request's past drafted steps (a new request starts at the server's average, and 
 drafted step moves it half way only). In the first
 `warm_steps` steps one request always drafts, and a request alone in the batch drafts its
 first `alone_warm_steps` steps there whatever the one-request gain (measured on the requests
-before it) says: with one client, how well the draft predicts is each prompt's. After a run of
+before it) says (with one client, how well the draft predicts is each prompt's), unless others
+are about to join (`joining`: prefilling or queued, as at the start of a burst). After a run of
 plain steps whose time is 1 / PROBE_SHARE x what a re-test costs (measured), and where drafts
 always accepted could pay, one request drafts anyway and verifies at least 2 drafts (a
 re-test: the estimates go stale; at once where one request drafting paid when last measured
@@ -114,6 +115,7 @@ class BatchWidth:
                  alone_warm_steps: int = 3):
         self.costs, self.B, self.max_running, self.online = costs, int(B), int(max_running), online
         self.alone_warm_steps = int(alone_warm_steps)
+        self.joining = 0  # requests about to join the batch (prefilling or queued; set by the server)
         c = costs.verify_s
         if draft_costs is None:  # one draft block scaled like the target's cost of n blocks of rows
             base = c[min(self.B, len(c)) - 1]
@@ -242,7 +244,7 @@ class BatchWidth:
             self.warm_left -= 1
             self._draft(able, 1, R, plain)
             return
-        if R == 1 and self._alone_warm(able[0], tokens, rows, c):
+        if R == 1 and self.joining == 0 and self._alone_warm(able[0], tokens, rows, c):
             self._draft(able, 1, R, plain)
             return
         # requests ranked by their average survival: the n best draft. Drafting n is valued by
