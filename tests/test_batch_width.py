@@ -298,7 +298,13 @@ def test_a_lone_request_is_not_held_plain_by_the_previous_ones_gain():
     rule.joining = 3
     rule.plan([joined])
     assert not joined.width.draft and joined.width.alone_warm == 3
+    joined.width.alone_warm = 0  # nor on a fresh one-request gain that paid
+    rule.gain[1, 1], rule.gain_step[1, 1] = 2.0, rule.steps
+    rule.plan([joined])
+    assert not joined.width.draft
     rule.joining = 0
+    rule.plan([joined])
+    assert joined.width.draft
     dear = flat_rule(R_max=1, c0=0.0, per_row=0.050)  # every row costs a plain step: drafting cannot pay
     dear.alone_warm_steps = 3
     lone = seated(dear)

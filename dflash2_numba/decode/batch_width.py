@@ -35,8 +35,10 @@ request's past drafted steps (a new request starts at the server's average, and 
 drafted step moves it half way only). In the first
 `warm_steps` steps one request always drafts, and a request alone in the batch drafts its
 first `alone_warm_steps` steps there whatever the one-request gain (measured on the requests
-before it) says (with one client, how well the draft predicts is each prompt's), unless others
-are about to join (`joining`: prefilling or queued, as at the start of a burst). After a run of
+before it) says (with one client, how well the draft predicts is each prompt's). While others
+are about to join (`joining`: prefilling, or queued with room, as at the start of a burst), no
+request drafts: the step's R is not the batch's, and a drafting request's context catch-up
+would serve one step. After a run of
 plain steps whose time is 1 / PROBE_SHARE x what a re-test costs (measured), and where drafts
 always accepted could pay, one request drafts anyway and verifies at least 2 drafts (a
 re-test: the estimates go stale; at once where one request drafting paid when last measured
@@ -115,7 +117,7 @@ class BatchWidth:
                  alone_warm_steps: int = 3):
         self.costs, self.B, self.max_running, self.online = costs, int(B), int(max_running), online
         self.alone_warm_steps = int(alone_warm_steps)
-        self.joining = 0  # requests about to join the batch (prefilling or queued; set by the server)
+        self.joining = 0  # requests about to join the batch (prefilling, or queued with room; the server sets it)
         c = costs.verify_s
         if draft_costs is None:  # one draft block scaled like the target's cost of n blocks of rows
             base = c[min(self.B, len(c)) - 1]
@@ -231,7 +233,7 @@ class BatchWidth:
             s.draft, s.k = False, 0
         self._probe, self._key = None, None
         able = [(d, s) for d, s in seats if d.budget_kmax() >= 1]
-        if not able:
+        if not able or self.joining > 0:  # (others about to join: this step's R is not the batch's)
             return
         rows, tokens, others = self._others(decodings, [d.budget_kmax() for d in decodings])
         c = self.costs.verify_s
@@ -244,7 +246,7 @@ class BatchWidth:
             self.warm_left -= 1
             self._draft(able, 1, R, plain)
             return
-        if R == 1 and self.joining == 0 and self._alone_warm(able[0], tokens, rows, c):
+        if R == 1 and self._alone_warm(able[0], tokens, rows, c):
             self._draft(able, 1, R, plain)
             return
         # requests ranked by their average survival: the n best draft. Drafting n is valued by

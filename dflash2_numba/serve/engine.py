@@ -316,8 +316,9 @@ class Engine:
                 and j in self.running]
         if not live:
             return
-        if self.budget is not None:  # requests about to join this batch: still prefilling, or queued
-            self.budget.joining = len(self.running) - len(live) + len(self.waiting)
+        if self.budget is not None:  # requests about to join this batch: prefilling, or queued with room
+            self.budget.joining = len(self.running) - len(live) + \
+                min(len(self.waiting), self.max_running - len(self.running))
         try:
             steps = step_batch(self.target, self.draft, [j.dec for j in live], self.budget)
         except Exception as e:  # a refusal (NonFiniteLogitsError, ...) or a bug: end this step's requests
