@@ -19,10 +19,8 @@ process (user + system, all its threads, from /proc): with one kernel thread tha
 throughput the same work would have on a core of its own. --fixed-block-size Q adds a fifth
 server, speculative batched at that fixed Q (the behaviour before `auto`); each row records
 the load average before it. --solo-clients 1,4 runs the two --max-running 1 servers at those
-client counts only (they take the longest). --twin adds a second plain batched server, the same
-command as the first: its ratio to the first is the bench's own spread (two identical servers
-read 0.93-1.03x a round at 4 and 8 clients on a 2-vCPU Zen 4 VM: each process's memory
-placement and its moment in the host's noise), the yardstick for spec / plain.
+client counts only (they take the longest). --twin adds a second plain batched server: its ratio
+to the first is the bench's own spread, the yardstick for spec / plain (docs/serving.md).
 
 load: ONE server (the embedded pair by default); K client threads x M requests in all, mixed
 streamed / not, random prompts, budgets, block sizes, greedy and seeded sampling; a share are
@@ -61,7 +59,7 @@ from acceptance import shown  # noqa: E402  (a path as recorded: relative to the
 
 TIMEOUT_S = 120.0
 FIXED = "spec batched fixed"  # throughput: the --fixed-block-size server
-TWIN = "plain twin"  # throughput: --twin, a second plain batched server (the bench's own spread)
+TWIN = "plain twin"  # throughput: --twin, a second plain batched server (two such: 0.93-1.03x a round here)
 MAX_TRIES = 20  # load test: attempts per request while the queue is full
 
 
@@ -289,18 +287,17 @@ def table(rows: list[dict], clients: list[int], configs: list[str]) -> str:
 
     out = []
     for key, what in (("tok_per_cpu_s", "tokens per server CPU-second"), ("aggregate_tok_s", "aggregate tok/s (wall)")):
-        fixed, twin = FIXED in configs, TWIN in configs
+        extra = [n for n in (FIXED, TWIN) if n in configs]  # each against plain batched
         head = "| clients | " + " | ".join(configs) + \
             " | spec batched / spec R=1 | spec / plain (batched) | spec / plain (R=1) |" + \
-            (" fixed / plain (batched) |" if fixed else "") + (" plain twin / plain (batched) |" if twin else "")
+            "".join(f" {n} / plain (batched) |" for n in extra)
         lines = [f"{what}, mean of the rounds:", "", head, "|" + "---|" * (head.count("|") - 1)]
         for c in clients:
             v = {n: mean(c, n, key) for n in configs}
             lines.append(f"| {c} | " + " | ".join(f"{v[n]:.1f}" for n in configs) +
                          f" | {v['spec batched'] / v['spec R=1']:.2f}x | {v['spec batched'] / v['plain batched']:.2f}x"
                          f" | {v['spec R=1'] / v['plain R=1']:.2f}x |" +
-                         (f" {v[FIXED] / v['plain batched']:.2f}x |" if fixed else "") +
-                         (f" {v[TWIN] / v['plain batched']:.2f}x |" if twin else ""))
+                         "".join(f" {v[n] / v['plain batched']:.2f}x |" for n in extra))
         out.append("\n".join(lines))
     head = "| clients | spec tau | TTFT ms spec batched / R=1 | ITL ms spec batched / R=1 | per-request tok/s spec batched / R=1 |"
     lines = ["latency (wall, medians; mean of the rounds):", "", head, "|---|---|---|---|---|"]
@@ -498,9 +495,9 @@ def main() -> None:
         for flag, kind, default in flags:
             if kind is bool:
                 p.add_argument(flag, action="store_true")
-                continue
-            p.add_argument(flag, type=kind, default=default,
-                           required=mode == "throughput" and flag in ("--target", "--draft"))
+            else:
+                p.add_argument(flag, type=kind, default=default,
+                               required=mode == "throughput" and flag in ("--target", "--draft"))
     args = ap.parse_args()
     (throughput if args.mode == "throughput" else load)(args)
 

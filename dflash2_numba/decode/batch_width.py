@@ -293,8 +293,9 @@ class BatchWidth:
             self._draft([(d, s)], 1, R, plain, probe=True)
 
     def _could_pay(self, tokens: float, rows: int, others: int, c) -> bool:
-        """Whether one more request drafting, its drafts all accepted, would beat a plain step (the
-        draft counted: valued after drafting, `_best_n` takes it as spent)."""
+        """Whether one more request drafting, its drafts all accepted, would beat a plain step.
+        (`_best_n` values N once the draft has run: its N = 0 carries the draft's cost, so the
+        plain step here is valued without it.)"""
         best = _best_n(np.ones(self.B - 1), tokens, rows, self.D(1 + others), c)[1]
         return best > tokens / max(self.D(others) + c[rows - 1], 1e-12)
 
