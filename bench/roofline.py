@@ -3,6 +3,7 @@ measured compute peak of the instruction path it runs on.
 
     python bench/roofline.py [--threads 1,2] [--rows 1,2,4,8,16] [--rounds 5] [--out PATH]
     DFLASH2_ISA=avx2 python bench/roofline.py ...      # a lower path on this host (kernels/isa.py)
+    python bench/roofline.py --pipes                    # the AVX2 integer instructions' rates
 
 Peaks, measured here by probe loops in LLVM IR (12 independent chains, so throughput and not
 latency bounds them; the operands live in registers):
@@ -71,6 +72,8 @@ def _probe(kind: str):
         vt, macs = ir.VectorType(i32, 8), 32
     elif kind == "vnni512":
         vt, macs = ir.VectorType(i32, 16), 64
+    elif kind.startswith("pipe_"):  # one instruction (or a pair of kinds) per chain and step: a count of them
+        vt, macs = ir.VectorType(i32, 8), 1
     else:  # vnni256
         vt, macs = ir.VectorType(i32, 8), 32
 
@@ -117,6 +120,21 @@ def _probe(kind: str):
                     sx = builder.call(psign, [builder.bitcast(acc, vb), w])  # sign(w) * x
                     prod = builder.call(maddubs, [absw, sx])  # |w| * sign(w) x
                     return builder.add(acc, builder.call(maddwd, [prod, ones]))
+            elif kind.startswith("pipe_"):  # pipe_<op>[_<op>]: the ops alternate over the chains
+                vb, vh = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
+                ops = {"maddwd": (fn("llvm.x86.avx2.pmadd.wd", vt, [vh, vh]), vh),
+                       "maddubs": (fn("llvm.x86.avx2.pmadd.ub.sw", vh, [vb, vb]), vb),
+                       "psign": (fn("llvm.x86.avx2.psign.b", vb, [vb, vb]), vb)}
+                names = kind[5:].split("_")
+                init = [ir.Constant(vt, [k + j for j in range(8)]) for k in range(CHAINS)]
+
+                def step_k(k, accs):  # acc op= a constant (add: the next chain's acc, nothing to fold)
+                    acc, name = accs[k], names[k % len(names)]
+                    if name == "add":
+                        return builder.add(acc, accs[(k + 1) % CHAINS])
+                    f, t = ops[name]
+                    c = ir.Constant(t, [(3 * j) % 127 - 60 for j in range(t.count)])
+                    return builder.bitcast(builder.call(f, [builder.bitcast(acc, t), c]), vt)
             else:
                 vb = ir.VectorType(i8, 4 * vt.count)
                 dp = fn(f"llvm.x86.avx512.vpdpbusd.{32 * vt.count}", vt, [vt, vb, vb])
@@ -134,7 +152,7 @@ def _probe(kind: str):
             builder.position_at_end(loop)
             i = builder.phi(i64)
             accs = [builder.phi(vt) for _ in range(CHAINS)]
-            new = [step(acc) for acc in accs]
+            new = [step_k(k, accs) for k in range(CHAINS)] if kind.startswith("pipe_") else [step(a) for a in accs]
             i1 = builder.add(i, ir.Constant(i64, 1))
             i.add_incoming(ir.Constant(i64, 0), pre)
             i.add_incoming(i1, loop)
@@ -204,6 +222,22 @@ def peak_kinds() -> dict:
     return kinds  # generic: no integer peak (plain vector IR, no single instruction to probe)
 
 
+PIPES = ("maddwd", "maddubs", "psign", "add", "maddwd_psign", "maddwd_maddubs", "maddwd_add")
+
+
+def pipes() -> int:
+    """--pipes: G instructions/s on one thread of each AVX2 integer instruction the q8_0 / q4_0
+    tiles issue, alone and in pairs (which ones share execution pipes: a pair's rate no higher
+    than one alone). docs/roofline.md "Session 19"."""
+    if isa.selected() == "generic":
+        print("--pipes: the generic path has no AVX2 instructions to probe")
+        return 1
+    print(f"{machine_info(1)['cpu_model']} | path {isa.selected()} | G instructions/s, 1 thread")
+    for kind in PIPES:
+        print(f"  {kind:16s} {peak_gmacs('pipe_' + kind, 1):6.2f}", flush=True)
+    return 0
+
+
 # ------------------------------------------------------------------ the kernels
 def weights(fmt: str, rng) -> tuple[list, int]:
     """Distinct copies of one [N, K] weight in `fmt` (~STREAM_BYTES in all) and the bytes of one."""
@@ -252,7 +286,10 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="bf16,q8_0,q4_0")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--pipes", action="store_true", help="only the AVX2 integer instructions' rates (1 thread)")
     args = ap.parse_args(argv)
+    if args.pipes:
+        return pipes()
     threads = [int(t) for t in args.threads.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     fmts = args.formats.split(",")

@@ -69,3 +69,17 @@ def test_weights_are_distinct_copies(monkeypatch):
         assert len(copies) == max(1, rl.STREAM_BYTES // nbytes) >= 2
         second = copies[1] if fmt == "bf16" else copies[1][0]
         assert np.array_equal(first, second) and not np.shares_memory(first, second)
+
+
+def test_pipe_probes_run_their_loops():
+    """--pipes: every instruction's probe runs its loop (time grows with the steps; red: a step
+    that returns its chain unchanged, a loop LLVM removes) and counts one instruction a chain
+    and step."""
+    if not isa.target_features().get("avx2") or isa.selected() == "generic":
+        pytest.skip("no AVX2 path")
+    rl = load_bench("roofline.py", "roofline")
+    for kind in rl.PIPES:
+        probe, _, count = rl._probe("pipe_" + kind)
+        probe(10)
+        t = {n: min(_timed(probe, n) for _ in range(3)) for n in (1 << 16, 1 << 19)}
+        assert t[1 << 19] > 4 * t[1 << 16] and count == 1, (kind, t)
