@@ -138,7 +138,7 @@ def plain_steps(rule, decs, n, seconds):
     `step_batch` does after a plan that drafted nothing)."""
     for _ in range(n):
         rule._R, rule._key, rule._probe = len(decs), None, None
-        rule.record(0, 0.0, True, len(decs), seconds, len(decs))
+        rule.record(0, 0.0, len(decs), seconds, len(decs))
 
 
 def test_drafted_rate_is_tokens_over_seconds_not_an_average_of_step_rates():
@@ -152,7 +152,7 @@ def test_drafted_rate_is_tokens_over_seconds_not_an_average_of_step_rates():
     for i in range(20):
         rule._key = (1, 1, 140.0, 1 / 140)  # this step drafts one request (as plan sets it)
         tokens, seconds = (9, 0.030) if i % 2 else (2, 0.060)
-        rule.record(1, 0.0, True, 8, seconds, tokens)
+        rule.record(1, 0.0, 8, seconds, tokens)
     assert rule.gain[1, 1] < 0.95
     rule.plan(decs)
     assert not decs[0].width.draft
@@ -168,10 +168,10 @@ def test_catch_up_rows_are_not_charged_to_drafting_nor_hidden_by_the_model():
     decs = [seated(rule)]
     plain_steps(rule, decs, 3, 1 / 200)
     rule._key = (1, 1, 200.0, 1 / 200)
-    rule.record(1, 0.052, False, 8, 0.020, 6, backlog=40)
+    rule.record(1, 0.052, 8, 0.020, 6, backlog=40)
     assert 0.85 < rule.gain[1, 1] < 1.0
     rule._key = (1, 1, 200.0, 1 / 200)
-    rule.record(1, 0.012, True, 8, 0.020, 6)
+    rule.record(1, 0.012, 8, 0.020, 6)
     assert 0.85 < rule.gain[1, 1] < 1.0
 
 
@@ -201,10 +201,10 @@ def test_retests_back_off_while_they_do_not_pay():
         rule.plan(decs)
         if any(d.width.draft for d in decs):
             assert rule._probe is not None  # only re-tests draft here
-            rule.record(1, 0.002, True, 4, 0.090, 3)
+            rule.record(1, 0.002, 4, 0.090, 3)
             probes.append(step)
         else:
-            rule.record(0, 0.0, True, 2, 0.050, 2)
+            rule.record(0, 0.0, 2, 0.050, 2)
     assert len(probes) >= 5
     late = [p for p in probes if p >= steps]
     share = len(late) * 0.042 / (steps * 0.050)  # each re-test's extra over a plain step
@@ -216,7 +216,7 @@ def test_retests_back_off_while_they_do_not_pay():
         rule.plan(alone)
         if alone[0].width.draft:
             break
-        rule.record(0, 0.0, True, 1, 0.030, 1)
+        rule.record(0, 0.0, 1, 0.030, 1)
     assert alone[0].width.draft and rule._probe is not None
 
 
@@ -227,9 +227,9 @@ def test_a_budget_end_is_valued_by_the_model_not_the_whole_block_gain():
     rule = flat_rule(R_max=1, c0=0.010, per_row=0.005, D=0.010)
     dec = seated(rule)
     rule._R, rule._key, rule._probe = 1, None, None
-    rule.record(0, 0.0, True, 1, 0.015, 1)
+    rule.record(0, 0.0, 1, 0.015, 1)
     rule._key = (1, 1, 1 / 0.015, 0.015)
-    rule.record(1, 0.010, True, 8, 0.050, 9)  # 9 tokens in 60 ms: 2.25x plain
+    rule.record(1, 0.010, 8, 0.050, 9)  # 9 tokens in 60 ms: 2.25x plain
     rule.plan([dec])
     assert dec.width.draft  # a whole block: the gain decides
     dec.kmax = 1
@@ -248,7 +248,7 @@ def test_an_aged_gain_that_paid_is_measured_again_at_once():
         dec.width.mean_S[1:] = 0.01  # the model: drafting does not pay
         plain_steps(rule, [dec], 1, 0.015)
         rule._key = (1, 1, 1 / 0.015, 0.015)
-        rule.record(1, 0.010, True, 8, 0.050, gain_tokens)  # 9 tokens in 60 ms: 2.25x; 1: 0.25x
+        rule.record(1, 0.010, 8, 0.050, gain_tokens)  # 9 tokens in 60 ms: 2.25x; 1: 0.25x
         rule.steps += 300  # the gain has aged
         rule.plan([dec])
         assert dec.width.draft is expect and (rule._probe is not None) is expect
@@ -266,7 +266,7 @@ def test_warm_steps_draft_one_request_not_the_whole_batch():
     for _ in range(3):
         rule.plan(decs)
         drafting.append(sum(d.width.draft for d in decs))
-        rule.record(drafting[-1], 0.002, True, R + 2, 0.012, R + 1)
+        rule.record(drafting[-1], 0.002, R + 2, 0.012, R + 1)
     assert drafting == [1, 1, 1] and rule.warm_left == 0
 
 
@@ -283,7 +283,7 @@ def test_a_lone_request_is_not_held_plain_by_the_previous_ones_gain():
     plain_steps(rule, [bad], 2, 1 / 140)
     for _ in range(10):  # drafted steps of 2 tokens in 60 ms: 33 tok/s against plain 140
         rule._key = (1, 1, 140.0, 1 / 140)
-        rule.record(1, 0.0, True, 8, 0.060, 2)
+        rule.record(1, 0.0, 8, 0.060, 2)
     bad.width.alone_warm = 0
     rule.plan([bad])
     assert rule.gain[1, 1] < 0.5 and not bad.width.draft
@@ -292,7 +292,7 @@ def test_a_lone_request_is_not_held_plain_by_the_previous_ones_gain():
     for _ in range(4):
         rule.plan([new])
         drafted.append(new.width.draft)
-        rule.record(1, 0.0, True, 8, 0.060, 2)
+        rule.record(1, 0.0, 8, 0.060, 2)
     assert drafted == [True, True, True, False]
     joined = seated(rule)  # alone only until the others of a burst finish their prefill
     rule.joining = 3
@@ -322,4 +322,4 @@ def test_no_retest_where_drafts_always_accepted_cannot_pay():
     for _ in range(5000):
         rule.plan(decs)
         assert not any(d.width.draft for d in decs)
-        rule.record(0, 0.0, True, 2, 0.040, 2)
+        rule.record(0, 0.0, 2, 0.040, 2)

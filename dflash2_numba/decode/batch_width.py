@@ -163,15 +163,15 @@ class BatchWidth:
     def D(self, n: int) -> float:
         return 0.0 if n <= 0 else float(self.draft_costs.verify_s[min(n, len(self.draft_costs.verify_s)) - 1])
 
-    def record(self, drafting: int, draft_s: float, typical: bool, rows: int, verify_s: float, tokens: int,
+    def record(self, drafting: int, draft_s: float, rows: int, verify_s: float, tokens: int,
                trimmed: bool = False, backlog: int = 0) -> None:
-        """The measured seconds of a batched step: its draft forward (n requests; `typical`:
-        no request fed more than a block of context, e.g. its prompt's, or the backlog of a run
-        of plain steps; `backlog`: the context rows fed past one block, in all) and its verify of
-        `rows` rows in all, and the tokens it committed (`trimmed`: a drafting request's block
-        was cut by its token budget)."""
+        """The measured seconds of a batched step: its draft forward (n requests; `backlog`: the
+        context rows its requests fed past one block, in all: a prompt's, or a run of plain
+        steps'; 0, a typical draft step) and its verify of `rows` rows in all, and the tokens it
+        committed (`trimmed`: a drafting request's block was cut by its token budget)."""
         if not self.online:
             return
+        typical = backlog == 0
         if self._probe is not None:  # what a re-test really costs over a plain step (context catch-up included)
             extra = draft_s + verify_s - self._key[3]
             self.probe_extra = extra if self.probe_extra is None else self.probe_extra + 0.3 * (extra - self.probe_extra)
@@ -181,7 +181,7 @@ class BatchWidth:
             # a context catch-up (the prompt's, or a run of plain steps' backlog) is the price of
             # resuming, not of drafting: such a step counts its draft without the backlog's rows
             # (at the table's price per row), or at the draft's usual cost where that is unknown
-            seconds = draft_s if typical else self.costs.without_backlog(draft_s, backlog)
+            seconds = self.costs.without_backlog(draft_s, backlog)  # (draft_s itself when backlog is 0)
             if seconds is None:
                 seconds = self.D(drafting)
             R, n, plain, _ = self._key

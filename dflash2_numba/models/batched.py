@@ -131,6 +131,6 @@ def step_batch(target, draft, decodings: list, rule=None) -> list:
     if rule is not None:  # a draft step that fed a prompt's context is not a typical one
         backlog = sum(max(0, decodings[i]._ctx_n - decodings[i].Q) for i in drafting)  # context rows past a block
         trimmed = any(decodings[i].kmax < decodings[i].Q - 1 for i in drafting)
-        rule.record(len(drafting), t1 - t0, backlog == 0, sum(len(b) for b in blocks), t3 - t2,
+        rule.record(len(drafting), t1 - t0, sum(len(b) for b in blocks), t3 - t2,
                     sum(len(r.token_ids) for r in results), trimmed, backlog)
     return results
