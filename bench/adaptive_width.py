@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quantize", default="bf16")
-    ap.add_argument("--draft-quantize", default="same", help="the draft's format (CLI --draft-quantize): same | bf16 | q8_0 | ...")
+    ap.add_argument("--draft-quantize", default="auto", help="the draft's format (CLI --draft-quantize): auto | same | bf16 | q8_0 | ...")
     ap.add_argument("--readme-runs", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "adaptive_width.json")
     args = ap.parse_args(argv)
@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     print("summary:", json.dumps(summary))
     out = {"settings": {"target": shown(args.target), "draft": shown(args.draft), "prompts": shown(args.prompts),
                         "n_prompts": len(ids), "max_new_tokens": n_new, "rounds": args.rounds, "threads": args.threads,
-                        "quantize": args.quantize, "draft_quantize": args.draft_quantize, "B": B, "isa": isa.describe()},
+                        "quantize": args.quantize, "draft_quantize": args.draft_quantize,
+                        "draft_format": draft.weight_format, "draft_format_reason": draft.format_reason, "B": B, "isa": isa.describe()},
            "machine": machine_info(args.threads), "warm_up_s": round(warm_s, 2), "cost_table": sweep,
            "results": results, "rounds": rounds, "summary": summary, "loadavg_after": loadavg()}
     if args.readme_runs:

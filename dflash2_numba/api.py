@@ -94,12 +94,17 @@ def draft_kind(draft_dir) -> str:
     return DRAFT_ARCHITECTURES[arch]
 
 
-def load_draft(draft_dir, target, quantize: str | None = "same"):
-    """A DFlash (v1) or DFlash2 draft directory, paired with a loaded target. quantize: "same"
-    (the target's weight format), "bf16" (as stored), "q8_0", "q4_0", "q4_k". Draft activations stay f32."""
+def load_draft(draft_dir, target, quantize: str | None = "auto"):
+    """A DFlash (v1) or DFlash2 draft directory, paired with a loaded target. quantize: "auto"
+    (quant/draft_format.py: the format measured cheaper for this kernel path and target, else the
+    target's), "same" (the target's weight format), "bf16" (as stored), "q8_0", "q4_0", "q4_k".
+    The draft's `.weight_format` and `.format_reason` say what it runs. Draft activations stay f32."""
     kind = draft_kind(draft_dir)
     from .models import draft as draft_models  # lazy: the model module is heavy
 
+    reason = None
+    if quantize == "auto":
+        quantize, reason = _auto_draft_format(draft_dir, target)
     ops = None
     if quantize != "same":
         quantize = _quantize_arg(quantize)
@@ -107,4 +112,16 @@ def load_draft(draft_dir, target, quantize: str | None = "same"):
             from .kernels.backend import get_ops
 
             ops = get_ops(target.ops.device, quantize)
-    return draft_models.load_draft(Path(draft_dir), target, kind=kind, ops=ops)
+    draft = draft_models.load_draft(Path(draft_dir), target, kind=kind, ops=ops)
+    draft.weight_format = getattr(draft.ops, "quantize", None) or "bf16"
+    draft.format_reason = reason or ("--draft-quantize " + ("same" if quantize == "same" else (quantize or "bf16")))
+    return draft
+
+
+def _auto_draft_format(draft_dir, target) -> tuple[str, str]:
+    from .quant import draft_format
+
+    _, raw = read_config_json(draft_dir)
+    fmt, why = draft_format.choose(getattr(target.ops, "quantize", None), target.ops.device, draft_format.kernel_path(),
+                                   draft_format.draft_bytes(draft_dir), "quantization_config" in raw)
+    return fmt, "--draft-quantize auto: " + why

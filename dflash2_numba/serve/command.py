@@ -46,7 +46,7 @@ def make_serve_command(model_options, load, quantize_option=lambda f: f):
                   help="Deepest JSON nesting a request body may have (400 past it).")
     def serve(target_dir, draft_dir, device, threads, dtype, host, port, block_size, draft_window, max_running,
               max_waiting, shutdown_grace, max_body_mb, max_json_depth, quantize=None, kv_dtype="f32",
-              draft_quantize="same"):
+              draft_quantize="auto"):
         """OpenAI-compatible HTTP server (chat / completions, streamed or not) that batches requests."""
         try:
             from .engine import Engine
