@@ -31,8 +31,8 @@
 
 Tiles: rows in groups of 4 (then 2, then 1) against a column group of one panel: 4 x 32
 columns = 8 int32 + 8 f32 zmm on AVX-512; 4 x 8 columns on 256-bit / generic (16 ymm: 4 + 4
-accumulators and the sign-trick temporaries); a last single row on AVX-512 takes the item's 4
-panels at once (4 memory streams), on the 256-bit paths the whole panel in one pass. Rows
+accumulators and the sign-trick temporaries); a last single row on AVX-512 takes 2 of the
+item's panels at once, twice (2 memory streams), on the 256-bit paths the whole panel in one pass. Rows
 beyond 32 (prefill) run the same kernel.
 """
 
@@ -306,10 +306,14 @@ def _tile(R: int, G: int, fmt: str, P: int = 1, far: bool = False):
 
 
 _G = GROUP_COLS // V
-# the one-row tile reads all 4 panels of an item side by side on AVX-512 (4 memory streams: one
-# row, 1 thread, from memory, q4_0 +10-20%, q8_0 +10-15%, bench/quant_stream.py); the 16-register
+# the one-row tile reads 2 panels of an item side by side on AVX-512, twice per item (2 memory
+# streams). Against one panel at a time, 4 side by side had read +10-20 % (q4_0) / +10-15 % (q8_0)
+# (one row, 1 thread, from memory, Zen 5 / Xeon, bench/quant_stream.py); on Zen 4, 2 side by side
+# read faster again: streamed [2048, 2048], 1 thread, q8_0 258-269 -> 212-219 us, q4_0 140-146 ->
+# 122-127 us; 2 threads q8_0 144-147 -> 121-145 us, q4_0 75-82 -> 73-76 us (alternating
+# processes, session 20; the bf16 one-row tile made the same move in session 18). The 16-register
 # 256-bit paths keep one panel (4 panels there spill and lose ~25% in cache)
-_T1P = ITEM_PANELS if MODE == "vnni512" else 1
+_T1P = 2 if MODE == "vnni512" else 1
 # `far` on the 256-bit paths, where a panel is read by 4 column-group passes (8 columns each):
 # the 2- and 4-row tiles also prefetch the next panel's block, each group its quarter, so the
 # memory streams during all the passes, not only the first. Streamed [2048, 2048],
@@ -336,7 +340,7 @@ _q4_4, _q4_2, _q4_1 = _tiles["q4_0"]
 def _make_item(t4, t2, t1, group_cols=GROUP_COLS, t1_panels=1):
     """The driver of one work item (ITEM_PANELS panels) over tiles t4 / t2 / t1 (4 / 2 / 1 rows)
     of `group_cols` columns each (kernels_q4k.py reuses it with its own tiles); t1 covers
-    `t1_panels` panels side by side (1 or ITEM_PANELS)."""
+    `t1_panels` panels side by side (1, 2 or ITEM_PANELS)."""
 
     @njit(inline="always")
     def item(xq, xs, xc, qw, ws, y, b):
