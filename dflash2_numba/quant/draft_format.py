@@ -20,8 +20,9 @@ byte, while AVX2's multi-row q8_0 tile is compute-bound (docs/roofline.md) and t
 are not. Everything else stays as the target has it (`same`): a small draft (under
 `AUTO_MIN_BYTES` on disk) runs from cache, where the format saves no reading and a second set of
 kernels would only add first-run compile time; a draft stored pre-quantized (its config has a
-`quantization_config`) runs as stored; the CUDA device runs the draft as the target; paths and
-formats not measured (avx_vnni, generic, q4_0, q4_k) keep the target's.
+`quantization_config`) runs as stored; the CUDA device runs the draft as the target; a q4_0
+target's draft stays q4_0 (the cheapest draft step on both paths measured); the paths and formats
+not measured (avx_vnni, generic, q4_k) keep the target's.
 """
 
 from __future__ import annotations
