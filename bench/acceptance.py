@@ -196,7 +196,7 @@ def load_configs(args, target) -> list[tuple[str, str, int, object]]:
         if not (path / "config.json").is_file():
             print(f"notice: no {kind} draft at {path}; skipped", file=sys.stderr)
             continue
-        draft = load_draft(path, target)
+        draft = load_draft(path, target, quantize="same")  # the target's format, not `auto`'s choice
         for Q in qs:
             if not 2 <= Q <= draft.block_size:
                 raise SystemExit(f"--block-sizes: Q={Q} outside 2..{draft.block_size} for {path}")
