@@ -307,12 +307,9 @@ def _tile(R: int, G: int, fmt: str, P: int = 1, far: bool = False):
 
 _G = GROUP_COLS // V
 # the one-row tile reads 2 panels of an item side by side on AVX-512, twice per item (2 memory
-# streams). Against one panel at a time, 4 side by side had read +10-20 % (q4_0) / +10-15 % (q8_0)
-# (one row, 1 thread, from memory, Zen 5 / Xeon, bench/quant_stream.py); on Zen 4, 2 side by side
-# read faster again: streamed [2048, 2048], 1 thread, q8_0 258-269 -> 212-219 us, q4_0 140-146 ->
-# 122-127 us; 2 threads q8_0 144-147 -> 121-145 us, q4_0 75-82 -> 73-76 us (alternating
-# processes, session 20; the bf16 one-row tile made the same move in session 18). The 16-register
-# 256-bit paths keep one panel (4 panels there spill and lose ~25% in cache)
+# streams: on Zen 4 faster than 4 side by side, 1 thread q8_0 -18 %, q4_0 -13 %; 4 had beaten 1
+# panel by 10-20 % on Zen 5 / Xeon; docs/roofline.md, session 20). The 16-register 256-bit
+# paths keep one panel (4 panels there spill and lose ~25% in cache)
 _T1P = 2 if MODE == "vnni512" else 1
 # `far` on the 256-bit paths, where a panel is read by 4 column-group passes (8 columns each):
 # the 2- and 4-row tiles also prefetch the next panel's block, each group its quarter, so the
