@@ -246,7 +246,7 @@ class BatchWidth:
             self.warm_left -= 1
             self._draft(able, 1, R, plain)
             return
-        if R == 1 and self._alone_warm(able[0], tokens, rows, c):
+        if R == 1 and self._alone_warm(able[0], tokens, rows, others, plain):
             self._draft(able, 1, R, plain)
             return
         # requests ranked by their average survival: the n best draft. Drafting n is valued by
@@ -286,20 +286,19 @@ class BatchWidth:
         if self.probe_extra is not None:
             probe_cost = max(probe_cost, self.probe_extra)
         if self.plain_run > self.probe_every[self.probe_level] and self.plain_s * self.probe_share.get(R, PROBE_SHARE) >= probe_cost and \
-                self._could_pay(tokens, rows, others, c):
+                self._could_pay(tokens, rows, others, plain):
             # re-test: the request that drafted least recently, at least 2 drafts verified
             self.probe_level = min(self.probe_level + 1, len(self.probe_every) - 1)
             d, s = min(able, key=lambda ds: ds[1].last_drafted)
             self._draft([(d, s)], 1, R, plain, probe=True)
 
-    def _could_pay(self, tokens: float, rows: int, others: int, c) -> bool:
-        """Whether one more request drafting, its drafts all accepted, would beat a plain step.
-        (`_best_n` values N once the draft has run: its N = 0 carries the draft's cost, so the
-        plain step here is valued without it.)"""
-        best = _best_n(np.ones(self.B - 1), tokens, rows, self.D(1 + others), c)[1]
-        return best > tokens / max(self.D(others) + c[rows - 1], 1e-12)
+    def _could_pay(self, tokens: float, rows: int, others: int, plain: float) -> bool:
+        """Whether one more request drafting, its drafts all accepted, would beat `plain` (the
+        plain step's tokens a second, E(0)). (`_best_n` values N once the draft has run: its
+        N = 0 carries the draft's cost, so it is not the comparison here.)"""
+        return _best_n(np.ones(self.B - 1), tokens, rows, self.D(1 + others), self.costs.verify_s)[1] > plain
 
-    def _alone_warm(self, ds: tuple, tokens: float, rows: int, c) -> bool:
+    def _alone_warm(self, ds: tuple, tokens: float, rows: int, others: int, plain: float) -> bool:
         """A request alone in the batch drafts its first `alone_warm_steps` steps there (where
         drafts always accepted could pay), whatever the one-request gain says: that gain was
         measured on the requests before it, and how well a draft predicts is a property of the
@@ -310,7 +309,7 @@ class BatchWidth:
         d, s = ds
         if s.alone_warm <= 0 or d.budget_kmax() < self.B - 1:
             return False
-        if not self._could_pay(tokens, rows, 0, c):
+        if not self._could_pay(tokens, rows, others, plain):
             s.alone_warm = 0
             return False
         s.alone_warm -= 1
