@@ -129,6 +129,13 @@ def apply_override() -> str | None:
     return want
 
 
+def cpu_name() -> str:
+    """The cpu name numba compiles for (`NUMBA_CPU_NAME` or the host's), e.g. "znver4": a kernel
+    setting measured per core (quant/kernels_int8.py's prefetch) keys on it; numba's cache key
+    holds it too."""
+    return _numba_target()[0]
+
+
 def describe() -> dict:
     """What bench results record: the cpu name, the path, the register file, the override."""
     name, _ = _numba_target()

@@ -56,11 +56,13 @@ VNNI = MODE.startswith("vnni")  # the paths that store weights + 128 and subtrac
 V = 16 if MODE == "vnni512" else 8  # int32 lanes (columns) per vector
 GROUP_COLS = PANEL_COLS if MODE == "vnni512" else V  # columns per tile
 # software prefetch distance in weight bytes: each 32-block's tile also prefetches the panel bytes
-# that far ahead (a prefetch past the array's end never faults). One-row streaming GEMV over
-# 576 MB, 1 thread, against 15-16 GB/s of numpy read (bench/quant_stream.py):
-# q4_0 10.3 -> 14.0 GB/s and q8_0 13.6 -> 15.2 at 2048 (1024: 14.0 / 14.7; 4096: 12.7 / 13.8);
-# the forced avx2 path q4_0 6.3 -> 9.0; the generic path is compute-bound (no change).
-PREFETCH_BYTES = 2048
+# that far ahead (past the array's end never faults; 0: none). One-row streaming GEMV, 576 MB, 1
+# thread, Xeon VM, numpy read 15-16 GB/s (bench/quant_stream.py): q4_0 10.3 -> 14.0 GB/s, q8_0
+# 13.6 -> 15.2, forced avx2 q4_0 6.3 -> 9.0. On AVX-512 on Zen 4 (numba cpu "znver4") the hardware
+# prefetcher alone streams faster (one row q8_0 0.72-0.75x the time at 1 thread; docs/roofline.md,
+# session 21): none there, and its 4-row tiles prefetch the next panel instead (`_FAR4`)
+_ZEN4 = MODE == "vnni512" and isa.cpu_name() == "znver4"
+PREFETCH_BYTES = 0 if _ZEN4 else 2048
 
 
 # ------------------------------------------------------------------ activations
@@ -222,7 +224,7 @@ def _tile(R: int, G: int, fmt: str, P: int = 1, far: bool = False):
             wblocks = [builder.gep(w, [builder.mul(b, const(steps * PANEL_COLS * 4))]) for w in w_at]
             xblock = builder.mul(b, const(BLOCK))
             prefetch = fn("llvm.prefetch.p0i8", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
-            for wblock in wblocks:
+            for wblock in wblocks if PREFETCH_BYTES else ():
                 for line in range(0, steps * PANEL_COLS * 4, 64):  # read, high locality, data cache
                     builder.call(prefetch, [builder.gep(wblock, [const(PREFETCH_BYTES + line)]),
                                             ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
@@ -322,10 +324,9 @@ _FAR = MODE in ("avx2", "vnni256")
 # not 4 passes of 8 columns reading a quarter each. Streamed [2048, 2048], DFLASH2_ISA=avx2, Zen 5
 # (docs/amd_epyc_zen5.md, session 13): q8_0 1 / 2 threads 200 -> 139 / 128 -> 102 us, q4_0 104 -> 85 us
 _WHOLE1 = MODE in ("avx2", "vnni256")
-# On AVX-512 the q4_0 4-row tile prefetches the next panel too: streamed [2048, 2048], Zen 5, A/B
-# in process (session 14), 4 / 8 / 16 rows 0.97-1.21 / 1.13-1.27 / 1.11x at 1-2 threads; q8_0
-# and the 2-row tiles lost 0-12 % with it
-_FAR4 = {"q8_0": _FAR, "q4_0": _FAR or MODE == "vnni512"}
+# AVX-512: the q4_0 4-row tile prefetches the next panel too (Zen 5, session 14: 4 / 8 / 16 rows
+# 0.97-1.21 / 1.13-1.27 / 1.11x; q8_0, 2-row tiles 0-12 % slower); Zen 4, near prefetch off: q8_0's too (8 rows 0.75-0.85x)
+_FAR4 = {"q8_0": _FAR or _ZEN4, "q4_0": _FAR or MODE == "vnni512"}
 _tiles = {fmt: (_tile(4, _G, fmt, far=_FAR4[fmt]), _tile(2, _G, fmt, far=_FAR), _tile(1, _T1P * _G, fmt, _T1P))
           for fmt in ("q8_0", "q4_0")}
 _rows1 = {fmt: _tile(1, PANEL_COLS // V, fmt) for fmt in ("q8_0", "q4_0")} if _WHOLE1 else {}
