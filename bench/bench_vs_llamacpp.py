@@ -75,7 +75,10 @@ Engines that are not installed are skipped with a line saying so (the rest still
 (llama-cpp-python builds from source: ~12 minutes, needs cmake and g++.)
 
 On llama.cpp: its AMX / repacked-weight ("extra buffer type") kernels crashed on some AVX-512 VMs;
---llama-no-extra-bufts loads with the model param use_extra_bufts = false. On a machine whose
+--llama-no-extra-bufts loads with the model param use_extra_bufts = false. It also takes away
+llama.cpp's repacked q4_0 / q8_0 kernels, its default wherever they run (AMD EPYC Zen 4, AVX2
+build: q4_0 decode 164 -> 239 tok/s with them, docs/amd_epyc_zen4.md session 21): use it only where
+the default crashes, and say so beside the ratio. On a machine whose
 cores are shared with other work, multi-threaded results of every engine collapse (spin-waiting
 threads): the load average is recorded for that reason, and --pause sleeps between engine runs.
 """
@@ -507,6 +510,8 @@ class LlamaCppEngine:
         low = llama_mod.llama_cpp  # the ctypes module Llama reads llama_model_default_params from
         orig = low.llama_model_default_params
         if args.llama_no_extra_bufts:
+            print("llama.cpp: --llama-no-extra-bufts, so without its repacked weight kernels (not its default)",
+                  file=sys.stderr)
             if "use_extra_bufts" not in dict(low.llama_model_params._fields_):
                 raise RuntimeError("this llama-cpp-python has no use_extra_bufts model param")
 
