@@ -108,6 +108,30 @@ def test_agreement(bench):
     assert bench.agreement([1, 2], [1, 2], 32)["first_divergence"] is None
 
 
+def test_a_different_first_token_is_a_near_tie_only_when_the_logits_say_so(bench):
+    """The verdict on a first greedy token that differs: the same model whose top-2 are closer
+    than the two engines' measured difference moves two tokens (a warning), or not (a failure:
+    a clear winner flipped, or another model's logits)."""
+    rng = np.random.default_rng(5)
+    ours = rng.standard_normal(4096).astype(np.float32)
+    top = np.argsort(ours)[-2:]
+    ours[top[1]] = ours[top[0]] + 0.01  # our top-2 gap: 0.01
+    close = ours + rng.standard_normal(4096).astype(np.float32) * 0.02
+    close[top[0]], close[top[1]] = ours[top[0]] + 0.03, ours[top[1]] - 0.03  # flipped by 0.05
+    facts = bench.logits_facts(ours, close)
+    assert not facts["same_argmax"] and facts["our_top2_gap"] == pytest.approx(0.01, abs=1e-5)
+    assert bench.near_tie(facts)
+    wide = ours.copy()
+    wide[top[1]] += 1.0  # a clear winner (gap 1.01) that the other engine still flips by 0.05
+    flipped = wide + rng.standard_normal(4096).astype(np.float32) * 0.02
+    flipped[top[0]] = wide[top[1]] + 0.05
+    assert not bench.near_tie(bench.logits_facts(wide, flipped))  # gap 1.01 >> 2 x p99 of the noise
+    other = rng.standard_normal(4096).astype(np.float32)  # another model: uncorrelated logits
+    assert not bench.near_tie(bench.logits_facts(ours, other))
+    assert not bench.near_tie(bench.logits_facts(ours, ours + 0.001))  # same argmax: nothing to excuse
+    assert not bench.near_tie(None)
+
+
 # ---------------------------------------------------------------- the MoE model (--model moe)
 MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96, vocab_size=1024)
