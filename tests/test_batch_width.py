@@ -82,10 +82,10 @@ def test_batched_auto_greedy_identity_and_seeded_solo(pair, kind, costs):
             assert all(r == min(B, left) for r, left in list(zip(d.stats.block_rows, budget_left(d)))[3:])
         assert sum(d.stats.block_rows[0] > 1 for d in greedy) == 1
         assert sum(d.stats.tau for d in greedy) / len(greedy) > 1.0  # drafts accepted
-    else:  # the measured table is this machine's: whether drafting pays past the warm steps, and
-        # so whether any draft is accepted, differs between hosts (a CI host once verified only the
-        # warm steps' drafts, all rejected); the rule's choices are pinned by the injected tables
-        assert max(rows) > 1  # the warm steps drafted
+    # measured: the table is this machine's, so how many rows the rule verifies (even in its warm
+    # steps, whose k comes from the table) and whether any draft is accepted differ between hosts
+    # (a CI host once verified only warm-step drafts, all rejected); there the claim is identity
+    # (above), and the rule's choices are pinned by the injected tables
 
 
 def budget_left(d) -> list[int]:
