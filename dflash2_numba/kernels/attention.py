@@ -128,11 +128,11 @@ CHUNK = 16  # keys per inner pass: 16 K (or V) rows stay in L1 while every row a
 # alone, docs/long_context.md); a 1-row attention over 8192 keys ran 1.1-1.5x faster with it,
 # 4 and 8 rows 1.0-1.14x (bench/attention_ab.py). 32 measured best of 16 / 32 / 64 / 128. Below
 # PREFETCH_MIN keys a layer's cache sits in L2 anyway: no prefetch is issued there. On Zen 4
-# (numba cpu "znver4") the hardware prefetcher alone is faster, on both paths: 1 row over 8192
-# keys ~0.9x the time native, ~0.78x on AVX2, 4 rows over 2048 ~0.95x (A/B against an unchanged
-# copy as control; docs/long_context.md, session 21): none there
+# (isa.software_prefetch() false) the hardware prefetcher alone is faster, on both paths: 1 row
+# over 8192 keys ~0.9x the time native, ~0.78x on AVX2, 4 rows over 2048 ~0.95x (A/B against an
+# unchanged copy as control; docs/long_context.md, session 21): none there
 PREFETCH = 32
-PREFETCH_MIN = np.iinfo(np.int64).max if isa.cpu_name() == "znver4" else 1024
+PREFETCH_MIN = 1024 if isa.software_prefetch() else np.iinfo(np.int64).max
 
 
 @njit(inline="always")

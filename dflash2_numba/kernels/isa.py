@@ -129,14 +129,24 @@ def apply_override() -> str | None:
     return want
 
 
+# cores whose hardware prefetcher streams a product's weights and a long K/V cache faster without
+# the kernels' software prefetch (Zen 4, session 21: docs/roofline.md, docs/long_context.md);
+# elsewhere the prefetch was measured to help (Xeon, Zen 5)
+NO_SOFTWARE_PREFETCH = ("znver4",)
+
+
 def cpu_name() -> str:
-    """The cpu name numba compiles for (`NUMBA_CPU_NAME` or the host's), e.g. "znver4": a kernel
-    setting measured per core (quant/kernels_int8.py's prefetch) keys on it; numba's cache key
-    holds it too."""
+    """The cpu name numba compiles for (`NUMBA_CPU_NAME` or the host's), e.g. "znver4"; numba's
+    cache key holds it too."""
     return _numba_target()[0]
+
+
+def software_prefetch() -> bool:
+    """Whether the kernels issue their software prefetches on the core numba compiles for (a
+    compile-time constant of quant/kernels_int8.py and kernels/attention.py)."""
+    return cpu_name() not in NO_SOFTWARE_PREFETCH
 
 
 def describe() -> dict:
     """What bench results record: the cpu name, the path, the register file, the override."""
-    name, _ = _numba_target()
-    return {"cpu_name": name, "isa": selected(), "vector_bits": vector_bits(), "override": _applied}
+    return {"cpu_name": cpu_name(), "isa": selected(), "vector_bits": vector_bits(), "override": _applied}

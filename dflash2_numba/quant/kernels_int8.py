@@ -58,11 +58,11 @@ GROUP_COLS = PANEL_COLS if MODE == "vnni512" else V  # columns per tile
 # software prefetch distance in weight bytes: each 32-block's tile also prefetches the panel bytes
 # that far ahead (past the array's end never faults; 0: none). One-row streaming GEMV, 576 MB, 1
 # thread, Xeon VM, numpy read 15-16 GB/s (bench/quant_stream.py): q4_0 10.3 -> 14.0 GB/s, q8_0
-# 13.6 -> 15.2, forced avx2 q4_0 6.3 -> 9.0. On AVX-512 on Zen 4 (numba cpu "znver4") the hardware
-# prefetcher alone streams faster (one row q8_0 0.72-0.75x the time at 1 thread; docs/roofline.md,
-# session 21): none there, and its 4-row tiles prefetch the next panel instead (`_FAR4`)
-_ZEN4 = MODE == "vnni512" and isa.cpu_name() == "znver4"
-PREFETCH_BYTES = 0 if _ZEN4 else 2048
+# 13.6 -> 15.2, forced avx2 q4_0 6.3 -> 9.0. On AVX-512 on Zen 4 (isa.software_prefetch() false) the
+# hardware prefetcher alone streams faster (one row q8_0 0.72-0.75x the time at 1 thread;
+# docs/roofline.md, session 21): none there, and its 4-row tiles prefetch the next panel (`_FAR4`)
+_HW_ONLY = MODE == "vnni512" and not isa.software_prefetch()
+PREFETCH_BYTES = 0 if _HW_ONLY else 2048
 
 
 # ------------------------------------------------------------------ activations
@@ -326,7 +326,7 @@ _FAR = MODE in ("avx2", "vnni256")
 _WHOLE1 = MODE in ("avx2", "vnni256")
 # AVX-512: the q4_0 4-row tile prefetches the next panel too (Zen 5, session 14: 4 / 8 / 16 rows
 # 0.97-1.21 / 1.13-1.27 / 1.11x; q8_0, 2-row tiles 0-12 % slower); Zen 4, near prefetch off: q8_0's too (8 rows 0.75-0.85x)
-_FAR4 = {"q8_0": _FAR or _ZEN4, "q4_0": _FAR or MODE == "vnni512"}
+_FAR4 = {"q8_0": _FAR or _HW_ONLY, "q4_0": _FAR or MODE == "vnni512"}
 _tiles = {fmt: (_tile(4, _G, fmt, far=_FAR4[fmt]), _tile(2, _G, fmt, far=_FAR), _tile(1, _T1P * _G, fmt, _T1P))
           for fmt in ("q8_0", "q4_0")}
 _rows1 = {fmt: _tile(1, PANEL_COLS // V, fmt) for fmt in ("q8_0", "q4_0")} if _WHOLE1 else {}
